@@ -1,0 +1,35 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each creates .venv and installs
+# what it needs (idempotent: re-runs only when pyproject.toml, setup.py or the C++ sources change).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kiln-installed
+NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
+
+.PHONY: demo test test-all lint bench-tokenizer clean
+
+$(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kiln demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench-tokenizer: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) bench/tokenizer.py
+
+clean:
+	rm -rf build kiln/tokenizer/_native*.so

@@ -1,0 +1,108 @@
+"""File I/O shared by every stage: atomic writes, hashing, and readers for compressed inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import bz2
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from kiln.errors import KilnError
+
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".bz2")
+
+
+def strip_compression(path: str | os.PathLike[str]) -> str:
+    """The file name without a compression suffix (`a.jsonl.gz` -> `a.jsonl`)."""
+    name = os.fspath(path)
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file for binary reading, decompressing `.gz`, `.zst` and `.bz2` transparently."""
+    name = os.fspath(path)
+    if not os.path.exists(name):
+        raise KilnError(f"{name}: no such file")
+    if os.path.isdir(name):
+        raise KilnError(f"{name}: is a directory, expected a file")
+    if name.endswith(".gz"):
+        return gzip.open(name, "rb")
+    if name.endswith(".bz2"):
+        return bz2.open(name, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(name, "rb"), closefd=True)
+    return open(name, "rb")
+
+
+def iter_jsonl_texts(path: str | os.PathLike[str], field: str = "text") -> Iterator[str]:
+    """Yield the `field` string of each JSON line; a bad line is an error naming file and line."""
+    with open_binary(path) as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise KilnError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or field not in record:
+                raise KilnError(f"{path}:{line_no}: expected an object with a {field!r} field")
+            value = record[field]
+            if not isinstance(value, str):
+                raise KilnError(
+                    f"{path}:{line_no}: field {field!r} must be a string, got {type(value).__name__}"
+                )
+            yield value
+
+
+def sha256_file(path: str | os.PathLike[str], chunk_size: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_size):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_can_write(path: str | os.PathLike[str], force: bool) -> None:
+    """Refuse to replace an existing artifact unless `force` is set."""
+    if os.path.exists(path) and not force:
+        raise KilnError(f"{os.fspath(path)} already exists; pass --force to replace it")
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8"
+) -> Iterator[IO[Any]]:
+    """Write to a temporary file beside `path` and rename it into place only on success."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    binary = "b" in mode
+    try:
+        with os.fdopen(fd, mode, encoding=None if binary else encoding) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
+    """Serialise `obj` as JSON into `path` atomically."""
+    with atomic_write(path, "w") as handle:
+        json.dump(obj, handle, indent=indent, ensure_ascii=False)
+        handle.write("\n")
