@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import gzip
-import bz2
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -41,7 +42,9 @@ def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
     if name.endswith(".zst"):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(name, "rb"), closefd=True)
+        raw = open(name, "rb")  # noqa: SIM115 - ownership passes to the returned reader
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader)  # adds line iteration, which the raw reader lacks
     return open(name, "rb")
 
 

@@ -1,0 +1,277 @@
+// kiln.tokenizer._native: the hot loops of the byte-level BPE tokenizer (see merge_ref.py and
+// tokenizer.py for the reference semantics these must equal).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "encoder.h"
+#include "flat_map.h"
+#include "merge_engine.h"
+#include "pretokenize.h"
+
+namespace py = pybind11;
+using namespace kiln;
+
+namespace {
+
+struct Span {
+  const uint8_t* data;
+  size_t size;
+};
+
+std::vector<Span> spans_of(const py::list& items) {
+  std::vector<Span> spans;
+  spans.reserve(items.size());
+  for (py::handle h : items) {
+    if (!PyBytes_Check(h.ptr())) throw py::type_error("expected a list of bytes");
+    spans.push_back({reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(h.ptr())),
+                     static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))});
+  }
+  return spans;
+}
+
+// Splits spans into `parts` contiguous groups of about equal total bytes.
+std::vector<size_t> balance(const std::vector<Span>& spans, size_t parts) {
+  size_t total = 0;
+  for (const Span& s : spans) total += s.size;
+  std::vector<size_t> bounds{0};
+  size_t acc = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    acc += spans[i].size;
+    if (bounds.size() < parts && acc * parts >= total * bounds.size()) bounds.push_back(i + 1);
+  }
+  while (bounds.size() <= parts) bounds.push_back(spans.size());
+  bounds.back() = spans.size();
+  return bounds;
+}
+
+template <typename Fn>
+void run_parallel(size_t threads, Fn&& fn) {
+  if (threads <= 1) { fn(0); return; }
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t) pool.emplace_back([&fn, t] { fn(t); });
+  for (auto& th : pool) th.join();
+}
+
+py::list to_pylist(const std::vector<uint32_t>& ids) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(ids.size()));
+  if (!list) throw py::error_already_set();
+  for (size_t i = 0; i < ids.size(); ++i) PyList_SET_ITEM(list, i, PyLong_FromUnsignedLong(ids[i]));
+  return py::reinterpret_steal<py::list>(list);
+}
+
+PatternKind parse_pattern(const std::string& name) {
+  PatternKind kind;
+  if (!pattern_from_name(name, &kind)) throw py::value_error("unknown built-in pattern: " + name);
+  return kind;
+}
+
+// Finds special tokens in a segment: the leftmost occurrence, the longest on ties.
+class SpecialFinder {
+ public:
+  explicit SpecialFinder(std::vector<std::string> specials) : specials_(std::move(specials)) {}
+  bool empty() const { return specials_.empty(); }
+  // Position and length of the next special token at or after `from` in s; npos if none.
+  std::pair<size_t, size_t> next(std::string_view s, size_t from) const {
+    size_t best = std::string_view::npos, len = 0;
+    for (const std::string& t : specials_) {
+      size_t p = s.find(t, from);
+      if (p < best || (p == best && p != std::string_view::npos && t.size() > len)) { best = p; len = t.size(); }
+    }
+    return {best, len};
+  }
+
+ private:
+  std::vector<std::string> specials_;
+};
+
+class PretokenCounter {
+ public:
+  PretokenCounter(const std::string& pattern, std::vector<std::string> specials)
+      : kind_(parse_pattern(pattern)), finder_(std::move(specials)) {}
+
+  void add(const py::list& segments, size_t threads) {
+    std::vector<Span> spans = spans_of(segments);
+    threads = std::max<size_t>(1, std::min(threads, spans.size()));
+    if (maps_.size() < threads) maps_.resize(threads);
+    std::vector<size_t> bounds = balance(spans, threads);
+    py::gil_scoped_release release;
+    run_parallel(threads, [&](size_t t) {
+      BytesMap& map = maps_[t];
+      for (size_t i = bounds[t]; i < bounds[t + 1]; ++i) count_segment(spans[i], map);
+    });
+  }
+
+  // (words sorted by bytes, counts, number pruned, occurrences pruned)
+  py::tuple items(int64_t min_count) {
+    BytesMap merged;
+    {
+      py::gil_scoped_release release;
+      for (BytesMap& m : maps_) {
+        m.for_each([&](std::string_view k, uint64_t h, int64_t v) {
+          merged.add_hashed(reinterpret_cast<const uint8_t*>(k.data()), k.size(), h, v);
+        });
+        m = BytesMap();
+      }
+    }
+    std::vector<std::pair<std::string_view, int64_t>> kept;
+    int64_t pruned = 0, pruned_occ = 0;
+    merged.for_each([&](std::string_view k, uint64_t, int64_t v) {
+      if (v >= min_count) kept.emplace_back(k, v);
+      else { ++pruned; pruned_occ += v; }
+    });
+    std::sort(kept.begin(), kept.end());
+    py::list words(kept.size()), counts(kept.size());
+    for (size_t i = 0; i < kept.size(); ++i) {
+      words[i] = py::bytes(kept[i].first.data(), kept[i].first.size());
+      counts[i] = py::int_(kept[i].second);
+    }
+    return py::make_tuple(words, counts, pruned, pruned_occ);
+  }
+
+ private:
+  PatternKind kind_;
+  SpecialFinder finder_;
+  std::vector<BytesMap> maps_;
+
+  void count_ordinary(const uint8_t* s, size_t n, BytesMap& map) const {
+    for_each_pretoken(kind_, s, n, [&](size_t b, size_t e) { map.add(s + b, e - b, 1); });
+  }
+  void count_segment(const Span& span, BytesMap& map) const {
+    if (finder_.empty()) { count_ordinary(span.data, span.size, map); return; }
+    std::string_view sv(reinterpret_cast<const char*>(span.data), span.size);
+    size_t pos = 0;
+    while (pos < span.size) {
+      auto [p, len] = finder_.next(sv, pos);
+      size_t end = p == std::string_view::npos ? span.size : p;
+      count_ordinary(span.data + pos, end - pos, map);
+      if (p == std::string_view::npos) break;
+      pos = p + len;
+    }
+  }
+};
+
+std::vector<uint32_t> encode_span(const Encoder& enc, const Span& s) {
+  std::vector<uint32_t> out;
+  out.reserve(s.size / 3 + 4);
+  enc.encode(s.data, s.size, out);
+  return out;
+}
+
+std::unique_ptr<Encoder> make_encoder(const std::vector<uint32_t>& byte_ids,
+                                      const std::vector<std::tuple<uint32_t, uint32_t, uint32_t>>& merges,
+                                      const py::list& decoder, const std::vector<bool>& valid,
+                                      const std::string& pattern) {
+  if (byte_ids.size() != 256) throw py::value_error("byte_ids must have 256 entries");
+  if (decoder.size() != valid.size()) throw py::value_error("decoder and valid differ in length");
+  std::vector<std::string> dec;
+  dec.reserve(decoder.size());
+  for (py::handle h : decoder) dec.push_back(h.cast<std::string>());
+  for (auto& [a, b, c] : merges)
+    if (a >= dec.size() || b >= dec.size() || c >= dec.size()) throw py::value_error("merge id out of range");
+  bool has = !pattern.empty();
+  PatternKind kind = has ? parse_pattern(pattern) : PatternKind::GPT2;
+  return std::make_unique<Encoder>(byte_ids, merges, std::move(dec), valid, has, kind);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kiln's native BPE hot loops: pre-tokenization, counting, merging, encoding.";
+
+  m.def(
+      "pretokenize",
+      [](const std::string& pattern, py::bytes data) {
+        PatternKind kind = parse_pattern(pattern);
+        std::string_view sv = data;
+        std::vector<std::pair<size_t, size_t>> spans;
+        for_each_pretoken(kind, reinterpret_cast<const uint8_t*>(sv.data()), sv.size(),
+                          [&](size_t b, size_t e) { spans.emplace_back(b, e); });
+        return spans;
+      },
+      "Byte spans of the pre-tokens of UTF-8 `data` under a built-in pattern.");
+
+  py::class_<PretokenCounter>(m, "PretokenCounter")
+      .def(py::init<const std::string&, std::vector<std::string>>())
+      .def("add", &PretokenCounter::add, py::arg("segments"), py::arg("threads") = 1)
+      .def("items", &PretokenCounter::items, py::arg("min_count") = 1);
+
+  py::class_<MergeEngine>(m, "MergeEngine")
+      .def(py::init([](const py::list& words, const std::vector<int64_t>& counts) {
+        if (words.size() != counts.size()) throw py::value_error("words and counts differ in length");
+        std::vector<std::string> w;
+        w.reserve(words.size());
+        for (py::handle h : words) w.push_back(h.cast<std::string>());
+        py::gil_scoped_release release;
+        return std::make_unique<MergeEngine>(w, counts);
+      }))
+      .def("apply", [](MergeEngine& e, uint32_t a, uint32_t b) {
+        if (a >= e.vocab_size() || b >= e.vocab_size()) throw py::value_error("merge id out of range");
+        return e.apply(a, b);
+      })
+      .def("step", [](MergeEngine& e, size_t max_merges, size_t max_vocab) {
+        py::gil_scoped_release release;
+        return e.step(max_merges, max_vocab);
+      })
+      .def_property_readonly("vocab_size", &MergeEngine::vocab_size)
+      .def("token", [](const MergeEngine& e, uint32_t id) {
+        if (id >= e.vocab_size()) throw py::index_error("token id out of range");
+        const std::string& t = e.token(id);
+        return py::bytes(t.data(), t.size());
+      });
+
+  py::class_<Encoder>(m, "Encoder")
+      .def(py::init(&make_encoder))
+      .def("encode", [](const Encoder& enc, py::bytes data) {
+        std::string_view sv = data;
+        std::vector<uint32_t> out;
+        {
+          py::gil_scoped_release release;
+          out = encode_span(enc, {reinterpret_cast<const uint8_t*>(sv.data()), sv.size()});
+        }
+        return to_pylist(out);
+      })
+      .def("encode_pieces", [](const Encoder& enc, const py::list& pieces) {
+        std::vector<Span> spans = spans_of(pieces);
+        std::vector<uint32_t> out;
+        {
+          py::gil_scoped_release release;
+          for (const Span& s : spans) if (s.size) enc.bpe(s.data, s.size, out);
+        }
+        return to_pylist(out);
+      })
+      .def("encode_batch", [](const Encoder& enc, const py::list& texts, size_t threads) {
+        std::vector<Span> spans = spans_of(texts);
+        std::vector<std::vector<uint32_t>> results(spans.size());
+        threads = std::max<size_t>(1, std::min(threads, spans.size()));
+        std::vector<size_t> bounds = balance(spans, threads);
+        {
+          py::gil_scoped_release release;
+          run_parallel(threads, [&](size_t t) {
+            for (size_t i = bounds[t]; i < bounds[t + 1]; ++i) results[i] = encode_span(enc, spans[i]);
+          });
+        }
+        py::list out(spans.size());
+        for (size_t i = 0; i < spans.size(); ++i) out[i] = to_pylist(results[i]);
+        return out;
+      })
+      .def("decode_bytes", [](const Encoder& enc, const py::list& ids) {
+        std::vector<int64_t> v;
+        v.reserve(ids.size());
+        for (py::handle h : ids) {
+          long long x = PyLong_AsLongLong(h.ptr());
+          if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+          v.push_back(x);
+        }
+        std::string out;
+        int64_t bad = 0;
+        if (!enc.decode(v, out, &bad))
+          throw py::value_error("token id " + std::to_string(bad) + " is not in the vocabulary");
+        return py::bytes(out);
+      });
+}
