@@ -19,10 +19,10 @@ demo: $(STAMP)
 	$(VENV)/bin/kiln demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	KILN_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	KILN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

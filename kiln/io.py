@@ -28,24 +28,51 @@ def strip_compression(path: str | os.PathLike[str]) -> str:
     return name
 
 
-def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
-    """Open a file for binary reading, decompressing `.gz`, `.zst` and `.bz2` transparently."""
+def open_binary_raw(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file's on-disk bytes, with a clear error if it is missing or a directory."""
     name = os.fspath(path)
     if not os.path.exists(name):
         raise KilnError(f"{name}: no such file")
     if os.path.isdir(name):
         raise KilnError(f"{name}: is a directory, expected a file")
+    return open(name, "rb")  # the caller closes it
+
+
+def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file for binary reading, decompressing `.gz`, `.zst` and `.bz2` transparently."""
+    return decompressing_reader(open_binary_raw(path), os.fspath(path))
+
+
+def decompressing_reader(raw: IO[bytes], name: str) -> IO[bytes]:
+    """Wrap an open raw file in the decompressor its name calls for; closing it closes `raw`.
+
+    Callers that show progress keep `raw` and read its position: that is the on-disk offset,
+    which is what a progress bar's total (the file size) is measured in.
+    """
     if name.endswith(".gz"):
-        return gzip.open(name, "rb")
+        return _closing_wrapper(gzip.GzipFile(fileobj=raw, mode="rb"), raw)
     if name.endswith(".bz2"):
-        return bz2.open(name, "rb")
+        return _closing_wrapper(bz2.BZ2File(raw, "rb"), raw)
     if name.endswith(".zst"):
         import zstandard
 
-        raw = open(name, "rb")  # noqa: SIM115 - ownership passes to the returned reader
         reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
         return io.BufferedReader(reader)  # adds line iteration, which the raw reader lacks
-    return open(name, "rb")
+    return raw
+
+
+def _closing_wrapper(handle: IO[bytes], raw: IO[bytes]) -> IO[bytes]:
+    """Make closing `handle` also close `raw` (GzipFile/BZ2File leave a passed fileobj open)."""
+    original_close = handle.close
+
+    def close() -> None:
+        try:
+            original_close()
+        finally:
+            raw.close()
+
+    handle.close = close  # type: ignore[method-assign]
+    return handle
 
 
 def iter_jsonl_texts(path: str | os.PathLike[str], field: str = "text") -> Iterator[str]:
@@ -97,6 +124,10 @@ def atomic_write(
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp creates 0600 files; give the artifact the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

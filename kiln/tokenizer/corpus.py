@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
-from kiln.io import iter_jsonl_texts, open_binary, strip_compression
+from kiln.io import decompressing_reader, iter_jsonl_texts, open_binary_raw, strip_compression
 from kiln.tokenizer.pretokenize import last_safe_cut
 
 
@@ -74,16 +74,19 @@ def iter_segments(
     report: Utf8Report | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> Iterator[bytes]:
-    """Yield valid UTF-8 segments of every input; `.jsonl` records are segments of their own."""
+    """Yield valid UTF-8 segments of every input; `.jsonl` records are segments of their own.
+
+    `on_progress` receives on-disk (compressed) bytes consumed, to compare with file sizes.
+    """
     report = report if report is not None else Utf8Report()
     special_latin1 = [s.encode("utf-8").decode("latin-1") for s in specials]
     for path in paths:
         name = os.fspath(path)
         if strip_compression(name).endswith(".jsonl"):
+            if on_progress:
+                on_progress(os.path.getsize(name))
             for text in iter_jsonl_texts(name, text_field):
                 data = text.encode("utf-8", errors="replace")
-                if on_progress:
-                    on_progress(len(data))
                 if data:
                     yield data
             continue
@@ -107,11 +110,14 @@ def _iter_file_segments(
 ) -> Iterator[bytes]:
     carry = b""
     offset = 0  # decompressed offset of carry[0]
-    with open_binary(path) as handle:
+    raw = open_binary_raw(path)
+    disk_done = 0
+    with decompressing_reader(raw, path) as handle:
         while True:
             block = handle.read(block_bytes)
-            if on_progress and block:
-                on_progress(len(block))
+            if on_progress and not raw.closed:
+                on_progress(raw.tell() - disk_done)
+                disk_done = raw.tell()
             if not block:
                 break
             data = carry + block

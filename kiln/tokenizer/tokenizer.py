@@ -289,6 +289,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode to text; byte sequences that are not valid UTF-8 become U+FFFD."""
+        if self._native is not None:
+            return self._native.decode(ids if isinstance(ids, list) else list(ids))
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def id_to_token(self, i: int) -> bytes:

@@ -174,7 +174,9 @@ def _count_phase(
     parallel = workers > 1 and total_bytes >= _PARALLEL_MIN_BYTES
     counter = _Counter(pattern, specials, native, workers)
     report = Utf8Report()
-    bar = tqdm(total=None, unit="B", unit_scale=True, desc="count pre-tokens", disable=not progress)
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="count pre-tokens", disable=not progress
+    )
     holdout_budget = int(total_bytes * holdout)
     held: list[bytes] = []
     batch: list[bytes] = []

@@ -54,14 +54,10 @@ class Encoder {
     bpe_slow(p, n, out);
   }
 
-  bool decode(const std::vector<int64_t>& ids, std::string& out, int64_t* bad) const {
-    size_t total = 0;
-    for (int64_t i : ids) {
-      if (i < 0 || static_cast<uint64_t>(i) >= decoder_.size() || !valid_[i]) { *bad = i; return false; }
-      total += decoder_[i].size();
-    }
-    out.reserve(total);
-    for (int64_t i : ids) out += decoder_[i];
+  // Appends the bytes of token `id` to out; false if the id names no token.
+  bool append_token(int64_t id, std::string& out) const {
+    if (id < 0 || static_cast<uint64_t>(id) >= decoder_.size() || !valid_[id]) return false;
+    out += decoder_[id];
     return true;
   }
 

@@ -179,6 +179,18 @@ std::unique_ptr<Encoder> make_encoder(const std::vector<uint32_t>& byte_ids,
   return std::make_unique<Encoder>(byte_ids, merges, std::move(dec), valid, has, kind);
 }
 
+std::string decode_ids(const Encoder& enc, const py::list& ids) {
+  std::string out;
+  out.reserve(ids.size() * 4);
+  for (py::handle h : ids) {
+    long long id = PyLong_AsLongLong(h.ptr());
+    if (id == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (!enc.append_token(id, out))
+      throw py::value_error("token id " + std::to_string(id) + " is not in the vocabulary");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -261,17 +273,14 @@ PYBIND11_MODULE(_native, m) {
         return out;
       })
       .def("decode_bytes", [](const Encoder& enc, const py::list& ids) {
-        std::vector<int64_t> v;
-        v.reserve(ids.size());
-        for (py::handle h : ids) {
-          long long x = PyLong_AsLongLong(h.ptr());
-          if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
-          v.push_back(x);
-        }
-        std::string out;
-        int64_t bad = 0;
-        if (!enc.decode(v, out, &bad))
-          throw py::value_error("token id " + std::to_string(bad) + " is not in the vocabulary");
+        std::string out = decode_ids(enc, ids);
         return py::bytes(out);
+      })
+      .def("decode", [](const Encoder& enc, const py::list& ids) {
+        // Straight to str: skips the intermediate bytes object that bytes.decode would need.
+        std::string out = decode_ids(enc, ids);
+        PyObject* text = PyUnicode_DecodeUTF8(out.data(), static_cast<Py_ssize_t>(out.size()), "replace");
+        if (!text) throw py::error_already_set();
+        return py::reinterpret_steal<py::str>(text);
       });
 }
