@@ -13,6 +13,7 @@ from kiln.errors import KilnError
 # imported by the commands that need it.
 _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
+    "kiln.data.cli",
     "kiln.demo",
 ]
 

@@ -85,6 +85,10 @@ def iter_jsonl_texts(path: str | os.PathLike[str], field: str = "text") -> Itera
                 record = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise KilnError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+            except UnicodeDecodeError as exc:
+                raise KilnError(
+                    f"{path}:{line_no}: invalid UTF-8 at byte {exc.start} of the line"
+                ) from None
             if not isinstance(record, dict) or field not in record:
                 raise KilnError(f"{path}:{line_no}: expected an object with a {field!r} field")
             value = record[field]

@@ -43,3 +43,21 @@ def test_open_binary_errors_name_the_path(tmp_path) -> None:
         open_binary(tmp_path / "missing.txt")
     with pytest.raises(KilnError, match="is a directory"):
         open_binary(tmp_path)
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path) -> None:
+    from kiln.io import iter_jsonl_texts
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "bad \xff"}\n')
+    with pytest.raises(KilnError, match=r"d\.jsonl:2: invalid UTF-8"):
+        list(iter_jsonl_texts(path))
+    path.write_bytes(b'{"text": "ok"}\n\n{"body": "x"}\n')
+    with pytest.raises(KilnError, match=r"d\.jsonl:3: expected an object with a 'text' field"):
+        list(iter_jsonl_texts(path))
+    path.write_bytes(b'{"text": 3}\n')
+    with pytest.raises(KilnError, match=r"d\.jsonl:1: field 'text' must be a string"):
+        list(iter_jsonl_texts(path))
+    path.write_bytes(b"{not json\n")
+    with pytest.raises(KilnError, match=r"d\.jsonl:1: invalid JSON"):
+        list(iter_jsonl_texts(path))

@@ -241,18 +241,24 @@ def _merge_phase(
     bar.update(engine.vocab_size - 256)
     last_save = time.monotonic()
     chunk = 64
-    while engine.vocab_size < vocab_target:
-        before = engine.vocab_size
-        step = engine.step(chunk, vocab_target)
-        if not step:
-            break
-        merges.extend(step)
-        bar.update(engine.vocab_size - before)
-        if callback:
-            callback("merge", engine.vocab_size, vocab_target)
-        if state is not None and time.monotonic() - last_save > _CHECKPOINT_SECONDS:
+    try:
+        while engine.vocab_size < vocab_target:
+            before = engine.vocab_size
+            step = engine.step(chunk, vocab_target)
+            if not step:
+                break
+            merges.extend(step)
+            bar.update(engine.vocab_size - before)
+            if callback:
+                callback("merge", engine.vocab_size, vocab_target)
+            if state is not None and time.monotonic() - last_save > _CHECKPOINT_SECONDS:
+                state.save_merges(merges)
+                last_save = time.monotonic()
+    except KeyboardInterrupt:
+        # Ctrl-C keeps every merge learned so far, so --resume starts from here.
+        if state is not None:
             state.save_merges(merges)
-            last_save = time.monotonic()
+        raise
     bar.close()
     return merges
 

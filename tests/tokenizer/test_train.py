@@ -85,14 +85,10 @@ def test_resume_equals_uninterrupted(small_corpus, tmp_path) -> None:
         if phase == "merge" and done > 500:
             raise KeyboardInterrupt
 
-    import kiln.tokenizer.train as train_mod
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "_CHECKPOINT_SECONDS", 0.0)
-        with pytest.raises(KeyboardInterrupt):
-            train_bpe([small_corpus], 900, [EOT], checkpoint_dir=state, callback=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train_bpe([small_corpus], 900, [EOT], checkpoint_dir=state, callback=interrupt)
     saved = json.loads((state / "merges.json").read_text())
-    assert 0 < len(saved) < 900 - 257
+    assert 500 - 256 <= len(saved) < 900 - 257  # the interrupt saved what was learned
     resumed = train_bpe([small_corpus], 900, [EOT], checkpoint_dir=state, resume=True)
     assert resumed.merges == full.merges
     assert not state.exists()  # cleaned up after success

@@ -1,0 +1,190 @@
+"""`kiln data tokenize|inspect`: build a token-shard dataset, and summarise one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kiln.errors import KilnError
+
+_EXAMPLES = {
+    "tokenize": """examples:
+  kiln data tokenize --tokenizer tok.json stories.txt.gz --out data/stories
+  kiln data tokenize --tokenizer tok.json web/*.jsonl.zst --text-field text --out data/web \\
+      --val-docs 5000 --workers 16 --shard-tokens 100000000 --seed 1""",
+    "inspect": """examples:
+  kiln data inspect data/stories
+  kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify""",
+}
+
+
+def _subparser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(
+        name,
+        help=help_text,
+        description=help_text,
+        epilog=_EXAMPLES[name],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def register(sub: Any) -> None:
+    """Add the `data` command group to the top-level `kiln` parser."""
+    group = sub.add_parser(
+        "data",
+        help="tokenize documents into token shards, and inspect shard datasets",
+        description="Token-shard datasets: tokenize documents into shards, inspect them.",
+        epilog="example: kiln data tokenize --tokenizer tok.json corpus.txt.gz --out data/corpus",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group.set_defaults(handler=lambda args: _print_help(group))
+    commands = group.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    _add_tokenize(commands)
+    _add_inspect(commands)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
+
+
+# ----------------------------------------------------------------------------------- tokenize
+def _add_tokenize(commands: Any) -> None:
+    p = _subparser(commands, "tokenize", "encode documents into a token-shard dataset")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help=".txt files (documents separated by the end-of-text token) or .jsonl files, "
+        "maybe .gz/.zst/.bz2",
+    )
+    p.add_argument("--tokenizer", required=True, metavar="TOK.json", help="kiln tokenizer file")
+    p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-docs", type=int, metavar="N", help="exactly N val documents")
+    val.add_argument(
+        "--val-fraction", type=float, metavar="F", help="this fraction of documents (default 0.01)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the val sample (default 0)")
+    p.add_argument(
+        "--workers", type=int, metavar="N", help="encoding processes (default: all cores)"
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        metavar="N",
+        help="tokens per shard at most, unless one document is longer (default 100M)",
+    )
+    p.add_argument("--text-field", default="text", metavar="F", help="JSON field of .jsonl text")
+    p.add_argument(
+        "--eot-token", default="<|endoftext|>", metavar="T", help="the document separator token"
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing dataset at DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_tokenize)
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    """Handler of `kiln data tokenize`."""
+    from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
+
+    config = TokenizeConfig(
+        tokenizer=args.tokenizer,
+        inputs=tuple(args.inputs),
+        out=args.out,
+        val_docs=args.val_docs,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        shard_tokens=args.shard_tokens,
+        text_field=args.text_field,
+        eot_token=args.eot_token,
+        workers=args.workers,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    manifest = tokenize_to_shards(config)
+    for name, split in manifest.splits.items():
+        print(
+            f"{name}: {split.tokens:,} tokens, {split.documents:,} documents, "
+            f"{len(split.shards)} shard(s)"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ inspect
+def _add_inspect(commands: Any) -> None:
+    p = _subparser(commands, "inspect", "summarise a token-shard dataset and show a document")
+    p.add_argument("directory", metavar="DIR", help="a dataset made by `kiln data tokenize`")
+    p.add_argument(
+        "--tokenizer", metavar="TOK.json", help="tokenizer to decode with (default: the manifest's)"
+    )
+    p.add_argument("--split", default="train", help="split of the sample document (default train)")
+    p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
+    p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
+    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.set_defaults(handler=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Handler of `kiln data inspect`."""
+    from kiln.data.shard_reader import Dataset
+
+    ds = Dataset.open(args.directory, tokenizer=args.tokenizer, verify=args.verify)
+    m = ds.manifest
+    print(
+        f"dataset {ds.root}: {m.dtype} tokens, vocab {m.tokenizer.vocab_size}, "
+        f"end-of-text {m.tokenizer.eot_token!r} = {m.tokenizer.eot_id}"
+    )
+    print(f"tokenizer {m.tokenizer.path} (sha256 {m.tokenizer.sha256[:12]}…)")
+    for name, split in ds.splits.items():
+        print(
+            f"  {name:<6} {split.n_tokens:>14,} tokens {split.n_documents:>10,} documents "
+            f"{len(split.shards):>4} shard(s)"
+        )
+    print("sources:")
+    for src in m.sources:
+        per_split = ", ".join(
+            f"{s} {src.tokens.get(s, 0):,} tokens / {src.documents.get(s, 0):,} docs"
+            for s in ds.splits
+        )
+        dropped = f"; skipped {src.empty_skipped} empty" if src.empty_skipped else ""
+        repaired = (
+            f"; {src.invalid_utf8_documents} with invalid UTF-8 replaced"
+            if src.invalid_utf8_documents
+            else ""
+        )
+        print(f"  {src.path}: {per_split}{dropped}{repaired}")
+    _print_sample(ds, args)
+    return 0
+
+
+def _print_sample(ds: Any, args: argparse.Namespace) -> None:
+    split = ds.split(args.split)
+    if not 0 <= args.doc < split.n_documents:
+        raise KilnError(f"--doc {args.doc}: split {args.split!r} has {split.n_documents} documents")
+    tok_path = args.tokenizer or ds.manifest.tokenizer.path
+    if not os.path.isfile(tok_path):
+        print(f"sample: tokenizer {tok_path} not found; pass --tokenizer to decode a document")
+        return
+    from kiln.tokenizer import Tokenizer
+
+    if args.tokenizer is None:
+        # The stored path may now hold a different file; decoding with it would mislead.
+        from kiln.io import sha256_file
+
+        if sha256_file(tok_path) != ds.manifest.tokenizer.sha256:
+            raise KilnError(
+                f"{tok_path}: changed since the dataset was encoded (sha256 differs); pass "
+                "--tokenizer with the original file"
+            )
+    tokens = split.document(args.doc)
+    text = Tokenizer.load(tok_path).decode(tokens.tolist())
+    shown = text if len(text) <= args.max_chars else text[: args.max_chars] + "…"
+    print(
+        f"sample: {args.split} document {args.doc} ({len(tokens)} tokens, from "
+        f"{split.document_source(args.doc)}):"
+    )
+    print(shown)

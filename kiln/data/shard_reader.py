@@ -1,0 +1,178 @@
+"""Read a token-shard dataset: check manifest and headers, memory-map tokens, recover documents."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kiln.data.manifest import Manifest, ShardEntry
+from kiln.data.shard_format import (
+    HEADER_BYTES,
+    dtype_from_name,
+    dtype_name,
+    read_bin_header,
+    read_idx,
+)
+from kiln.errors import KilnError
+from kiln.io import sha256_file
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard: its memory-mapped tokens, document offsets and per-document source indices."""
+
+    path: Path
+    tokens: np.ndarray  # (n_tokens,) uint16/uint32, memory-mapped read-only
+    offsets: np.ndarray  # (documents + 1,) int64: document i is tokens[offsets[i]:offsets[i+1]]
+    sources: np.ndarray  # (documents,) int32 indices into the manifest's sources
+
+    @property
+    def n_documents(self) -> int:
+        """Documents in this shard."""
+        return int(self.sources.shape[0])
+
+
+def _open_shard(root: Path, entry: ShardEntry, dtype: np.dtype, verify: bool) -> Shard:
+    bin_path, idx_path = root / f"{entry.name}.bin", root / f"{entry.name}.idx"
+    header = read_bin_header(bin_path)
+    if header.dtype != dtype:
+        raise KilnError(
+            f"{bin_path}: header says {dtype_name(header.dtype)} tokens, the manifest "
+            f"{dtype_name(dtype)}"
+        )
+    if header.n_tokens != entry.tokens:
+        raise KilnError(
+            f"{bin_path}: header says {header.n_tokens} tokens, the manifest {entry.tokens}"
+        )
+    offsets, sources, idx_tokens = read_idx(idx_path)
+    if idx_tokens != entry.tokens or sources.shape[0] != entry.documents:
+        raise KilnError(
+            f"{idx_path}: index holds {sources.shape[0]} documents over {idx_tokens} tokens, the "
+            f"manifest {entry.documents} over {entry.tokens}"
+        )
+    if verify:
+        for path, expected in ((bin_path, entry.sha256), (idx_path, entry.idx_sha256)):
+            if sha256_file(path) != expected:
+                raise KilnError(f"{path}: sha256 differs from the manifest's; the file changed")
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(entry.tokens,))
+    return Shard(bin_path, tokens, offsets, sources)
+
+
+class Split:
+    """The shards of one split read as one concatenated token sequence of documents."""
+
+    def __init__(
+        self, name: str, shards: list[Shard], source_paths: list[str], dtype: np.dtype
+    ) -> None:
+        self.name, self.dtype = name, dtype
+        self.shards = shards
+        self._source_paths = source_paths
+        self._token_starts = np.cumsum([0] + [s.tokens.shape[0] for s in shards])
+        self._doc_starts = np.cumsum([0] + [s.n_documents for s in shards])
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the split."""
+        return int(self._token_starts[-1])
+
+    @property
+    def n_documents(self) -> int:
+        """Documents in the split."""
+        return int(self._doc_starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the concatenated split (a view when in one shard)."""
+        if start < 0 or length < 0 or start + length > self.n_tokens:
+            raise IndexError(
+                f"tokens [{start}, {start + length}) outside split {self.name!r} of "
+                f"{self.n_tokens} tokens"
+            )
+        i = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        pieces, end = [], start + length
+        while start < end:
+            local = start - int(self._token_starts[i])
+            take = min(end - start, self.shards[i].tokens.shape[0] - local)
+            pieces.append(self.shards[i].tokens[local : local + take])
+            start += take
+            i += 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+
+    def _locate(self, index: int) -> tuple[Shard, int]:
+        if not 0 <= index < self.n_documents:
+            raise IndexError(
+                f"document {index} outside split {self.name!r} of {self.n_documents} documents"
+            )
+        i = int(np.searchsorted(self._doc_starts, index, side="right")) - 1
+        return self.shards[i], index - int(self._doc_starts[i])
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document `index` (ending with end-of-text)."""
+        shard, local = self._locate(index)
+        return shard.tokens[shard.offsets[local] : shard.offsets[local + 1]]
+
+    def document_source(self, index: int) -> str:
+        """The input file document `index` came from."""
+        shard, local = self._locate(index)
+        return self._source_paths[int(shard.sources[local])]
+
+
+class Dataset:
+    """A token-shard dataset directory, checked on opening (see `Dataset.open`)."""
+
+    def __init__(self, root: Path, manifest: Manifest, splits: dict[str, Split]) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.splits = splits
+
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str] | None = None,
+        verify: bool = False,
+    ) -> Dataset:
+        """Open `root`, checking the manifest, every shard header and index, and (when given)
+        that `tokenizer` is the file the shards were encoded with; `verify` also checks sha256s.
+        """
+        root = Path(root)
+        manifest = Manifest.read(root)
+        if tokenizer is not None:
+            if not os.path.isfile(tokenizer):
+                raise KilnError(f"{tokenizer}: no such tokenizer file")
+            found = sha256_file(tokenizer)
+            if found != manifest.tokenizer.sha256:
+                raise KilnError(
+                    f"{tokenizer}: sha256 {found[:12]}… differs from the tokenizer {root} was "
+                    f"encoded with ({manifest.tokenizer.sha256[:12]}…, {manifest.tokenizer.path})"
+                )
+        dtype = dtype_from_name(manifest.dtype)
+        sources = [s.path for s in manifest.sources]
+        splits = {}
+        for name, entry in manifest.splits.items():
+            shards = [_open_shard(root, s, dtype, verify) for s in entry.shards]
+            for shard in shards:
+                if shard.n_documents and int(shard.sources.max()) >= len(sources):
+                    raise KilnError(f"{shard.path}: source index beyond the manifest's sources")
+            splits[name] = Split(name, shards, sources, dtype)
+        return cls(root, manifest, splits)
+
+    def split(self, name: str) -> Split:
+        """The split called `name`; an unknown name is a KilnError listing the ones there are."""
+        if name not in self.splits:
+            raise KilnError(f"{self.root}: no split {name!r}; it has {sorted(self.splits)}")
+        return self.splits[name]
+
+    @property
+    def eot_id(self) -> int:
+        """The end-of-text token id every document ends with."""
+        return self.manifest.tokenizer.eot_id
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocab size (an embedding table's rows)."""
+        return self.manifest.tokenizer.vocab_size
