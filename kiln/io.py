@@ -10,7 +10,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,12 +75,26 @@ def _closing_wrapper(handle: IO[bytes], raw: IO[bytes]) -> IO[bytes]:
     return handle
 
 
-def iter_jsonl_texts(path: str | os.PathLike[str], field: str = "text") -> Iterator[str]:
-    """Yield the `field` string of each JSON line; a bad line is an error naming file and line."""
+def iter_jsonl_texts(
+    path: str | os.PathLike[str],
+    field: str = "text",
+    on_invalid_utf8: Callable[[int], None] | None = None,
+) -> Iterator[str]:
+    """Yield the `field` string of each JSON line; a bad line is an error naming file and line.
+
+    Invalid UTF-8 is an error too, unless `on_invalid_utf8` is given: then that line is decoded
+    with U+FFFD replacements and the callback receives its line number.
+    """
     with open_binary(path) as handle:
         for line_no, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
+            if on_invalid_utf8 is not None:
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    on_invalid_utf8(line_no)
+                    raw = raw.decode("utf-8", errors="replace")
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as exc:

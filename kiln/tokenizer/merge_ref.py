@@ -70,8 +70,9 @@ class ReferenceMergeEngine:
                 heapq.heappush(self.heap, self._item(top.pair))
         return None
 
-    def apply(self, pair: Pair) -> int:
-        """Merge `pair` everywhere; return the id of the merged token."""
+    def apply(self, a: int, b: int) -> int:
+        """Merge the pair (a, b) everywhere; return the id of the merged token."""
+        pair = (a, b)
         merged = self.vocab[pair[0]] + self.vocab[pair[1]]
         new_id = self._id_of.get(merged)
         if new_id is None:
@@ -113,6 +114,6 @@ class ReferenceMergeEngine:
             pair = self._best_pair()
             if pair is None:
                 break
-            self.apply(pair)
+            self.apply(*pair)
             done.append(pair)
         return done

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 
 import regex
@@ -27,6 +27,11 @@ def split_on_specials(text: str, specials: Iterable[str]) -> Iterator[tuple[str,
         if text:
             yield text, False
         return
+    yield from split_on_specials_with(pattern, text)
+
+
+def split_on_specials_with(pattern: regex.Pattern[str], text: str) -> Iterator[tuple[str, bool]]:
+    """`split_on_specials` with the special-token regex already built."""
     pos = 0
     for match in pattern.finditer(text):
         if match.start() > pos:
@@ -37,37 +42,31 @@ def split_on_specials(text: str, specials: Iterable[str]) -> Iterator[tuple[str,
         yield text[pos:], False
 
 
-_CUT_BEFORE = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-_CUT_AFTER = frozenset(chr(c) for c in range(0x21, 0x7F))
-
-
-def last_safe_cut(text: str, specials: Sequence[str], newline_ok: bool) -> int:
-    """The last index > 0 where `text` can be cut without changing its pre-tokens, else -1.
-
-    A cut is safe just before a special token (the pattern never runs across one) and, for the
-    built-in patterns, in `X\nA` between the newline and A, where X is printable non-space ASCII
-    and A an ASCII letter or digit: the newline is then a whole pre-token (or ends one, as in
-    cl100k's `.\n`) whatever follows, and A always starts one. Without X, a preceding whitespace
-    run would give its last character to the next pre-token (`\\s+(?!\\S)`).
-    """
-    best = max((text.rfind(s) for s in specials), default=-1)
-    if newline_ok:
-        pos = len(text) - 1
-        while pos > best:
-            nl = text.rfind("\n", 0, pos)
-            if nl < 1 or nl + 1 <= best:
-                break
-            if text[nl + 1] in _CUT_BEFORE and text[nl - 1] in _CUT_AFTER:
-                best = nl + 1
-                break
-            pos = nl
-    return best if best > 0 else -1
+def to_utf8(text: str) -> bytes:
+    """UTF-8 bytes of `text`; lone surrogates become U+FFFD (as tiktoken does)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
 
 
 def iter_pretokens(text: str, pattern: SplitPattern) -> Iterator[str]:
-    """Yield the pre-tokens of an ordinary (special-free) text."""
+    """Yield the pre-tokens of an ordinary (special-free) text.
+
+    Text a custom pattern does not match is kept as pre-tokens of its own (like HF's `Split`
+    with `isolated` behaviour) rather than dropped; empty matches are skipped. The built-in
+    patterns match every character, so for them this is exactly `findall`.
+    """
+    pos = 0
     for match in pattern.compiled.finditer(text):
-        yield match.group()
+        start, end = match.span()
+        if start > pos:
+            yield text[pos:start]
+        if end > start:
+            yield match.group()
+        pos = max(pos, end)
+    if pos < len(text):
+        yield text[pos:]
 
 
 def count_pretokens(

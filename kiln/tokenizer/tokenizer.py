@@ -8,23 +8,21 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from kiln.errors import KilnError
+from kiln.tokenizer.cuts import CutFinder
 from kiln.tokenizer.native import NATIVE
 from kiln.tokenizer.patterns import SplitPattern, resolve_pattern
-from kiln.tokenizer.pretokenize import iter_pretokens, last_safe_cut, special_regex
+from kiln.tokenizer.pretokenize import (
+    iter_pretokens,
+    special_regex,
+    split_on_specials_with,
+    to_utf8,
+)
 
 Backend = Literal["auto", "native", "reference"]
 AllowedSpecial = Literal["all"] | Collection[str]
 
 # encode_iterable buffers about this much text before it looks for a safe place to cut.
 _ITERABLE_BUFFER_CHARS = 1 << 16
-
-
-def _to_utf8(text: str) -> bytes:
-    """UTF-8 bytes of `text`; lone surrogates become U+FFFD (as tiktoken does)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
 
 
 class Tokenizer:
@@ -57,6 +55,8 @@ class Tokenizer:
         if isinstance(special_tokens, Mapping):
             resolved = {str(s): int(i) for s, i in special_tokens.items()}
             for s, i in resolved.items():
+                if not s:
+                    raise KilnError("special tokens must be non-empty strings, got ''")
                 existing = self.vocab.get(i)
                 if existing is None:
                     self.vocab[i] = s.encode("utf-8")
@@ -194,11 +194,16 @@ class Tokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode `text`, treating any special-token text in it as ordinary text."""
-        return self._encode_ordinary_bytes(_to_utf8(text))
+        return self._encode_ordinary_bytes(to_utf8(text))
 
     def _allowed(self, allowed_special: AllowedSpecial) -> set[str]:
         if allowed_special == "all":
             return set(self.special_tokens)
+        if isinstance(allowed_special, str):
+            raise ValueError(
+                f"allowed_special must be 'all' or a set of special tokens, "
+                f"got the string {allowed_special!r} (did you mean {{{allowed_special!r}}}?)"
+            )
         allowed = set(allowed_special)
         unknown = allowed - set(self.special_tokens)
         if unknown:
@@ -232,12 +237,11 @@ class Tokenizer:
         pattern = special_regex(tuple(sorted(allowed)))
         assert pattern is not None
         out: list[int] = []
-        pos = 0
-        for match in pattern.finditer(text):
-            out.extend(self.encode_ordinary(text[pos : match.start()]))
-            out.append(self.special_tokens[match.group()])
-            pos = match.end()
-        out.extend(self.encode_ordinary(text[pos:]))
+        for segment, is_special in split_on_specials_with(pattern, text):
+            if is_special:
+                out.append(self.special_tokens[segment])
+            else:
+                out.extend(self.encode_ordinary(segment))
         return out
 
     def encode_batch(
@@ -248,29 +252,74 @@ class Tokenizer:
     ) -> list[list[int]]:
         """Encode many texts; the native path spreads them over `workers` threads (default: all)."""
         allowed = self._allowed(allowed_special)
-        if self._native is None or allowed or not self.pattern.is_builtin:
+        if self._native is None or not self.pattern.is_builtin:
             return [self.encode(t, allowed) for t in texts]
         if self.special_tokens:
             for t in texts:
                 self._check_disallowed(t, allowed)
-        threads = workers if workers is not None else (os.cpu_count() or 1)
-        return self._native.encode_batch([_to_utf8(t) for t in texts], max(1, threads))
+        threads = max(1, workers if workers is not None else (os.cpu_count() or 1))
+        if not allowed:
+            return self._native.encode_batch([to_utf8(t) for t in texts], threads)
+        # Cut every text at its allowed special tokens, encode all ordinary pieces in one
+        # threaded batch, then stitch each text back together with the special ids.
+        pattern = special_regex(tuple(sorted(allowed)))
+        assert pattern is not None
+        layouts: list[list[int | None]] = []
+        pieces: list[bytes] = []
+        for text in texts:
+            layout: list[int | None] = []
+            for segment, is_special in split_on_specials_with(pattern, text):
+                if is_special:
+                    layout.append(self.special_tokens[segment])
+                else:
+                    layout.append(None)
+                    pieces.append(to_utf8(segment))
+            layouts.append(layout)
+        encoded = iter(self._native.encode_batch(pieces, threads))
+        out = []
+        for layout in layouts:
+            ids: list[int] = []
+            for item in layout:
+                if item is None:
+                    ids.extend(next(encoded))
+                else:
+                    ids.append(item)
+            out.append(ids)
+        return out
 
     def encode_iterable(
         self, iterable: Iterable[str], allowed_special: AllowedSpecial = frozenset()
     ) -> Iterator[int]:
-        """Lazily encode a stream of strings (e.g. a file's lines) with bounded memory."""
+        """Lazily encode a stream of strings (e.g. a file's lines) with bounded memory.
+
+        Text is buffered until it can be cut where the cut cannot change the encoding (see
+        `cuts.py`), so the ids equal `encode` of the whole stream. Memory is bounded by the
+        longest stretch without such a place (for custom patterns: between special tokens).
+        """
         allowed = self._allowed(allowed_special)
-        specials = list(self.special_tokens)
+        cuts: CutFinder[str] = CutFinder(list(self.special_tokens), self.pattern.is_builtin, False)
+        pending: list[str] = []
+        pending_size = 0
         buffer = ""
+        threshold = _ITERABLE_BUFFER_CHARS
         for piece in iterable:
-            buffer += piece
-            if len(buffer) < _ITERABLE_BUFFER_CHARS:
+            pending.append(piece)
+            pending_size += len(piece)
+            if len(buffer) + pending_size < threshold:
                 continue
-            cut = last_safe_cut(buffer, specials, self.pattern.is_builtin)
+            buffer += "".join(pending)
+            pending.clear()
+            pending_size = 0
+            cut = cuts.last_cut(buffer)
             if cut > 0:
                 yield from self.encode(buffer[:cut], allowed)
                 buffer = buffer[cut:]
+                cuts.reset()
+                threshold = _ITERABLE_BUFFER_CHARS
+            else:
+                # Nothing to cut yet: wait for the buffer to double, so the copying stays linear.
+                threshold = 2 * len(buffer)
+        buffer += "".join(pending)
         if buffer:
             yield from self.encode(buffer, allowed)
 

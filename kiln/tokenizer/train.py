@@ -9,6 +9,7 @@ import platform
 import resource
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -290,6 +291,8 @@ def train_bpe(
         if not os.path.isfile(p):
             raise KilnError(f"{p}: no such file")
     specials = list(dict.fromkeys(special_tokens))
+    if any(not isinstance(s, str) or not s for s in specials):
+        raise KilnError(f"special tokens must be non-empty strings, got {specials!r}")
     if vocab_size < 256 + len(specials):
         raise KilnError(
             f"vocab_size {vocab_size} is too small: it must be at least 256 (the byte values) "
@@ -350,10 +353,17 @@ def train_bpe(
     t0 = time.perf_counter()
     engine = (NATIVE.MergeEngine if native else ReferenceMergeEngine)(words, counts)
     for a, b in merges:
-        engine.apply(a, b)
+        engine.apply(a, b)  # replay a resumed run's merges: same state as when it stopped
     del words, counts
     merges = _merge_phase(engine, merges, vocab_size - len(specials), state, progress, callback)
     timings["merge_s"] = time.perf_counter() - t0
+    if engine.vocab_size < vocab_size - len(specials):
+        warnings.warn(
+            f"the corpus ran out of pairs to merge: the tokenizer has "
+            f"{engine.vocab_size + len(specials):,} tokens, not the {vocab_size:,} asked for",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     tok = _build_tokenizer(engine, merges, specials, split, backend)
     t0 = time.perf_counter()
     training = {

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -24,15 +25,24 @@ struct Span {
   size_t size;
 };
 
-std::vector<Span> spans_of(const py::list& items) {
+// The byte strings of a Python list, viewed without copying. The list's items are referenced
+// here, so the views stay valid while the GIL is released even if the list itself changes.
+struct BytesViews {
+  std::vector<py::object> keep_alive;
   std::vector<Span> spans;
-  spans.reserve(items.size());
+};
+
+BytesViews views_of(const py::list& items) {
+  BytesViews v;
+  v.keep_alive.reserve(items.size());
+  v.spans.reserve(items.size());
   for (py::handle h : items) {
     if (!PyBytes_Check(h.ptr())) throw py::type_error("expected a list of bytes");
-    spans.push_back({reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(h.ptr())),
-                     static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))});
+    v.keep_alive.push_back(py::reinterpret_borrow<py::object>(h));
+    v.spans.push_back({reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(h.ptr())),
+                       static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))});
   }
-  return spans;
+  return v;
 }
 
 // Splits spans into `parts` contiguous groups of about equal total bytes.
@@ -50,18 +60,30 @@ std::vector<size_t> balance(const std::vector<Span>& spans, size_t parts) {
   return bounds;
 }
 
+// Runs fn(0..threads-1) on threads; an exception in any is rethrown here after all have joined
+// (an exception escaping a std::thread would terminate the process).
 template <typename Fn>
 void run_parallel(size_t threads, Fn&& fn) {
   if (threads <= 1) { fn(0); return; }
+  std::vector<std::exception_ptr> errors(threads);
   std::vector<std::thread> pool;
-  for (size_t t = 0; t < threads; ++t) pool.emplace_back([&fn, t] { fn(t); });
+  for (size_t t = 0; t < threads; ++t)
+    pool.emplace_back([&fn, &errors, t] {
+      try { fn(t); } catch (...) { errors[t] = std::current_exception(); }
+    });
   for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 py::list to_pylist(const std::vector<uint32_t>& ids) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(ids.size()));
   if (!list) throw py::error_already_set();
-  for (size_t i = 0; i < ids.size(); ++i) PyList_SET_ITEM(list, i, PyLong_FromUnsignedLong(ids[i]));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    PyObject* item = PyLong_FromUnsignedLong(ids[i]);
+    if (!item) { Py_DECREF(list); throw py::error_already_set(); }
+    PyList_SET_ITEM(list, i, item);
+  }
   return py::reinterpret_steal<py::list>(list);
 }
 
@@ -71,32 +93,47 @@ PatternKind parse_pattern(const std::string& name) {
   return kind;
 }
 
-// Finds special tokens in a segment: the leftmost occurrence, the longest on ties.
+// Finds special tokens in one segment: the leftmost occurrence, the longest on ties. Each
+// token's next occurrence is cached, so a scan over the segment is linear in its length even
+// with several tokens (some of which may never occur).
 class SpecialFinder {
  public:
-  explicit SpecialFinder(std::vector<std::string> specials) : specials_(std::move(specials)) {}
-  bool empty() const { return specials_.empty(); }
-  // Position and length of the next special token at or after `from` in s; npos if none.
-  std::pair<size_t, size_t> next(std::string_view s, size_t from) const {
+  SpecialFinder(const std::vector<std::string>& specials, std::string_view segment)
+      : specials_(specials), segment_(segment), next_(specials.size(), kUnknown) {}
+
+  // Position and length of the next special token at or after `from`; npos if none.
+  std::pair<size_t, size_t> next(size_t from) {
     size_t best = std::string_view::npos, len = 0;
-    for (const std::string& t : specials_) {
-      size_t p = s.find(t, from);
-      if (p < best || (p == best && p != std::string_view::npos && t.size() > len)) { best = p; len = t.size(); }
+    for (size_t k = 0; k < specials_.size(); ++k) {
+      if (next_[k] == kUnknown || (next_[k] != std::string_view::npos && next_[k] < from))
+        next_[k] = segment_.find(specials_[k], from);
+      size_t p = next_[k];
+      if (p < best || (p == best && p != std::string_view::npos && specials_[k].size() > len)) {
+        best = p;
+        len = specials_[k].size();
+      }
     }
     return {best, len};
   }
 
  private:
-  std::vector<std::string> specials_;
+  static constexpr size_t kUnknown = std::string_view::npos - 1;
+  const std::vector<std::string>& specials_;
+  std::string_view segment_;
+  std::vector<size_t> next_;
 };
 
 class PretokenCounter {
  public:
   PretokenCounter(const std::string& pattern, std::vector<std::string> specials)
-      : kind_(parse_pattern(pattern)), finder_(std::move(specials)) {}
+      : kind_(parse_pattern(pattern)), specials_(std::move(specials)) {
+    for (const std::string& s : specials_)
+      if (s.empty()) throw py::value_error("special tokens must be non-empty");
+  }
 
   void add(const py::list& segments, size_t threads) {
-    std::vector<Span> spans = spans_of(segments);
+    BytesViews views = views_of(segments);
+    const std::vector<Span>& spans = views.spans;
     threads = std::max<size_t>(1, std::min(threads, spans.size()));
     if (maps_.size() < threads) maps_.resize(threads);
     std::vector<size_t> bounds = balance(spans, threads);
@@ -136,18 +173,18 @@ class PretokenCounter {
 
  private:
   PatternKind kind_;
-  SpecialFinder finder_;
+  std::vector<std::string> specials_;
   std::vector<BytesMap> maps_;
 
   void count_ordinary(const uint8_t* s, size_t n, BytesMap& map) const {
     for_each_pretoken(kind_, s, n, [&](size_t b, size_t e) { map.add(s + b, e - b, 1); });
   }
   void count_segment(const Span& span, BytesMap& map) const {
-    if (finder_.empty()) { count_ordinary(span.data, span.size, map); return; }
-    std::string_view sv(reinterpret_cast<const char*>(span.data), span.size);
+    if (specials_.empty()) { count_ordinary(span.data, span.size, map); return; }
+    SpecialFinder finder(specials_, std::string_view(reinterpret_cast<const char*>(span.data), span.size));
     size_t pos = 0;
     while (pos < span.size) {
-      auto [p, len] = finder_.next(sv, pos);
+      auto [p, len] = finder.next(pos);
       size_t end = p == std::string_view::npos ? span.size : p;
       count_ordinary(span.data + pos, end - pos, map);
       if (p == std::string_view::npos) break;
@@ -249,7 +286,8 @@ PYBIND11_MODULE(_native, m) {
         return to_pylist(out);
       })
       .def("encode_pieces", [](const Encoder& enc, const py::list& pieces) {
-        std::vector<Span> spans = spans_of(pieces);
+        BytesViews views = views_of(pieces);
+        const std::vector<Span>& spans = views.spans;
         std::vector<uint32_t> out;
         {
           py::gil_scoped_release release;
@@ -258,7 +296,8 @@ PYBIND11_MODULE(_native, m) {
         return to_pylist(out);
       })
       .def("encode_batch", [](const Encoder& enc, const py::list& texts, size_t threads) {
-        std::vector<Span> spans = spans_of(texts);
+        BytesViews views = views_of(texts);
+        const std::vector<Span>& spans = views.spans;
         std::vector<std::vector<uint32_t>> results(spans.size());
         threads = std::max<size_t>(1, std::min(threads, spans.size()));
         std::vector<size_t> bounds = balance(spans, threads);
