@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-all lint bench-tokenizer clean
+.PHONY: demo test test-all lint bench-tokenizer bench-model bench-attention clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ lint: $(STAMP)
 bench-tokenizer: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,kernels,bench]'
 	$(PY) bench/tokenizer.py
+
+bench-model: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,kernels,bench]'
+	$(PY) bench/model.py
+
+bench-attention: $(STAMP)
+	$(PY) bench/attention.py
 
 clean:
 	rm -rf build kiln/tokenizer/_native*.so

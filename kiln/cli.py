@@ -14,6 +14,7 @@ from kiln.errors import KilnError
 _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
+    "kiln.model.cli",
     "kiln.demo",
 ]
 

@@ -1,0 +1,163 @@
+"""The pieces of a Transformer block: norms, rotary embeddings, attention, MLP, the block itself."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kiln.model.attention import attend
+from kiln.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.model.generate import KVCache
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 like the Llama reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dimension."""
+        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The config's normalisation layer over `dim` features."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Rotary frequencies θ^(-2i/D) (D/2,), with Llama-3 scaling of the long wavelengths if set."""
+    hd = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Wavelengths shorter than high_freq_wavelen are kept, longer than low_freq_wavelen divided by
+    # the factor, and those in between interpolated smoothly (Llama 3.1, as HF's "llama3").
+    wavelen = 2 * torch.pi / inv_freq
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin (block_size, D) for every position, in the split-half layout."""
+    inv_freq = rope_inv_freq(cfg).to(device)
+    freqs = torch.arange(cfg.block_size, device=device).float()[:, None] * inv_freq  # (P, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (P, D): both halves rotate by the same angle
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i+D/2}) of x (B, H, T, D) by the angles in cos, sin (T or B,1,T; D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, H, T, D)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with a fused QKV projection; grouped-query when n_kv_head < n_head."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
+        self.window = cfg.layer_window(layer)
+        self.backend = cfg.attention_backend
+        q_out, kv_out = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.qkv = nn.Linear(cfg.n_embd, q_out + 2 * kv_out, bias=cfg.bias)
+        self.proj = nn.Linear(q_out, cfg.n_embd, bias=cfg.bias)
+        self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        mask: Tensor | None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention output (B, T, C), and the weights (B, H, T, S) when need_weights."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # under autocast a norm may have upcast them
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
+        y, weights = attend(q, k, v, mask, self.backend, need_weights)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H·D)
+        return self.drop(self.proj(y)), weights
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: GELU (tanh) or SwiGLU, gate and up projections fused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        n_in = 2 if self.swiglu else 1
+        self.fc = nn.Linear(cfg.n_embd, n_in * cfg.ff_size, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ff_size, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        h = self.fc(x)  # (B, T, F) or (B, T, 2F)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up  # (B, T, F)
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.drop(self.proj(h))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.norm1 = make_norm(cfg, cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.norm2 = make_norm(cfg, cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        masks: dict[int | None, Tensor | None],
+        cache: KVCache | None = None,
+        attn_weights: list[Tensor] | None = None,
+    ) -> Tensor:
+        """(B, T, C) -> (B, T, C); appends this layer's attention weights if given a list."""
+        mask = masks[self.attn.window]
+        a, weights = self.attn(self.norm1(x), rope, mask, cache, attn_weights is not None)
+        if attn_weights is not None and weights is not None:
+            attn_weights.append(weights)
+        x = x + a
+        return x + self.mlp(self.norm2(x))

@@ -1,0 +1,111 @@
+"""Language-model loss from final hidden states, chunked so fp32 logits never exist for all tokens.
+
+For each chunk of tokens the head matmul, optional soft-cap, cross-entropy, optional z-loss and
+the gradients with respect to the hidden states and head weight are computed together, and the
+chunk's logits are freed before the next one: memory is O(chunk · V), not O(B · T · V), and no
+matmul is recomputed (unlike checkpointing the head). The formulas, per valid target y:
+
+    s = c·tanh(z / c) if soft-capped else z,     z = h·Wᵀ (real vocab columns only)
+    loss = mean[ logsumexp(s) - s_y + w_z · logsumexp(s)² ]
+    ∂loss/∂s = softmax(s) · (1 + 2·w_z·logsumexp(s)) - onehot(y),    ∂s/∂z = 1 - (s/c)²
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Logit elements per chunk (128 MB in fp32): rows enough for efficient matmuls (~670 at a 50k
+# vocabulary) while the transient memory stays fixed whatever the batch size.
+CHUNK_ELEMENTS = 2**25
+
+
+def lm_loss(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_size: int,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Mean cross-entropy (+ z-loss) of h (..., C) through the head weight (V_pad, C).
+
+    Targets < 0 are ignored (nanoGPT's -1 and HF's -100 both work); columns at and beyond
+    vocab_size (vocabulary padding) never take part. Returns a scalar fp32 tensor.
+    """
+    h2 = h.reshape(-1, h.size(-1))  # (N, C)
+    chunk_tokens = chunk_tokens or max(64, CHUNK_ELEMENTS // vocab_size)
+    dtype = (
+        torch.get_autocast_dtype(h.device.type)
+        if torch.is_autocast_enabled(h.device.type)
+        else h.dtype
+    )
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _ChunkedLMLoss.apply(
+        h2, weight, targets.reshape(-1), vocab_size, softcap, z_loss, chunk_tokens, dtype, need_grad
+    )
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """Loss and its gradients in one chunked pass; backward only scales the stored gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        vocab_size: int,
+        softcap: float | None,
+        z_weight: float,
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        need_grad: bool,
+    ) -> Tensor:
+        """Scalar loss; stashes dloss/dh (N, C) and dloss/dW (V_pad, C) for backward."""
+        with torch.autocast(h.device.type, enabled=False):  # dtypes below are explicit
+            w = weight.to(dtype)[:vocab_size]  # (V, C): padding rows never score
+            hc = h.to(dtype)  # (N, C)
+            valid = targets >= 0  # (N,)
+            n_valid = valid.sum().clamp(min=1).float()
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_grad else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+            for start in range(0, h.size(0), chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                z = (hc[rows] @ w.T).float()  # (n, V)
+                s = softcap * torch.tanh(z / softcap) if softcap else z
+                logp = torch.log_softmax(s, dim=-1)  # (n, V), one fused pass
+                lse = s[:, 0] - logp[:, 0]  # (n,) logsumexp, read off any column
+                y = targets[rows].clamp(min=0)[:, None]  # (n, 1); invalid rows masked below
+                row_valid = valid[rows].float()  # (n,)
+                row_loss = -logp.gather(1, y).squeeze(1) + z_weight * lse.square()
+                total += (row_loss * row_valid).sum()
+                if not need_grad:
+                    del z, s, logp  # free this chunk's logits before the next is computed
+                    continue
+                scale = row_valid / n_valid  # (n,): mean over valid targets
+                g = logp.exp_()  # (n, V) softmax, in place of logp
+                g.mul_((scale * (1 + 2 * z_weight * lse))[:, None])
+                g.scatter_add_(1, y, -scale[:, None])  # minus the one-hot target
+                if softcap:
+                    g.mul_(1 - (s / softcap).square())
+                g = g.to(dtype)
+                grad_h[rows] = (g @ w).to(h.dtype)  # (n, C)
+                if dtype == torch.float32:  # accumulate in place, no (V, C) temporary
+                    grad_w[:vocab_size].addmm_(g.T, hc[rows])  # (V, C)
+                else:
+                    grad_w[:vocab_size] += g.T @ hc[rows]  # low-precision product, fp32 sum
+                del z, s, logp, g  # free this chunk's logits before the next is computed
+            if need_grad:
+                ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            return total / n_valid
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        """Chain rule: the stored gradients times the incoming scalar."""
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None

@@ -1,0 +1,160 @@
+"""The Transformer language model: embeddings, a stack of pre-norm blocks, a final norm, the head.
+
+GPT-2 and Llama-style models are the same code with different config switches (see config.py).
+The model knows nothing of training, data or parallelism: it maps token ids to logits or a loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from kiln.errors import KilnError
+from kiln.model.attention import attention_mask
+from kiln.model.config import ModelConfig
+from kiln.model.layers import Block, make_norm, rope_tables
+from kiln.model.loss import lm_loss
+
+if TYPE_CHECKING:
+    from kiln.model.generate import KVCache
+
+
+class Transformer(nn.Module):
+    """A decoder-only LM built from a ModelConfig; checks its parameter count against the config."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        V, C = cfg.padded_vocab_size, cfg.n_embd
+        self.wte = nn.Embedding(V, C)
+        self.wpe = nn.Embedding(cfg.block_size, C) if cfg.pos_emb == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg, C)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one Parameter, one storage
+        # RoPE tables are derived data, not state: rebuilt by init_weights, never checkpointed.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_weights()
+        n_module = sum(p.numel() for p in self.parameters())
+        if n_module != cfg.num_params():
+            raise RuntimeError(
+                f"module has {n_module:,} parameters, config says {cfg.num_params():,}"
+            )
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02); residual output projections scaled by 1/√(2·n_layer).
+
+        Biases start at zero, norm scales at one, padded vocab rows at zero. Call it again after
+        materialising a model built on the meta device (`to_empty`), which also rebuilds RoPE.
+        """
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1 and name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:  # norm scales
+                nn.init.ones_(p)
+            elif name.endswith("proj.weight"):  # attn.proj and mlp.proj write into the residual
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+        self.wte.weight[self.cfg.vocab_size :].zero_()
+        if not self.cfg.tie_embeddings:
+            self.lm_head.weight[self.cfg.vocab_size :].zero_()
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)build the RoPE cos/sin tables on the parameters' device."""
+        if self.cfg.pos_emb == "rope":
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.wte.weight.device)
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        """As nn.Module.to_empty (materialise a meta-device model), keeping a tied head tied.
+
+        Follow with `init_weights()` or `load_state_dict(...)` and `init_rope()`.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings:  # to_empty gives every parameter its own new storage
+            self.lm_head.weight = self.wte.weight
+        return self
+
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *, cache: KVCache | None = None
+    ) -> Tensor:
+        """Logits (B, T, vocab_size) for token ids idx (B, T), or the scalar loss given targets."""
+        h = self.hidden(idx, cache)  # (B, T, C)
+        if targets is None:
+            return self.logits(h)
+        return lm_loss(
+            h, self.lm_head.weight, targets, self.cfg.vocab_size, self.cfg.logit_softcap,
+            self.cfg.z_loss,
+        )  # fmt: skip
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Head over final hidden states (..., C) -> logits (..., vocab_size), soft-capped if set."""
+        logits = self.lm_head(h)[..., : self.cfg.vocab_size]  # padding columns sliced off
+        if self.cfg.logit_softcap is not None:
+            c = self.cfg.logit_softcap
+            logits = c * torch.tanh(logits / c)
+        return logits
+
+    def hidden(
+        self,
+        idx: Tensor,
+        cache: KVCache | None = None,
+        attn_weights: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""
+        T = idx.size(1)
+        start = 0 if cache is None else cache.length
+        if start + T > self.cfg.block_size:
+            raise KilnError(
+                f"sequence of {start + T} tokens is longer than block_size {self.cfg.block_size}"
+            )
+        slots = torch.arange(start, start + T, device=idx.device)  # (T,)
+        first_valid = None if cache is None else cache.first_valid  # (B,): after left padding
+        pos = slots if first_valid is None else (slots[None] - first_valid[:, None]).clamp(min=0)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(pos)  # pos (T,) or (B, T)
+        x = self.drop(x)
+        rope = None
+        if self.cfg.pos_emb == "rope":
+            if first_valid is None:
+                span = slice(start, start + T)
+                rope = (self.rope_cos[span], self.rope_sin[span])  # (T, D)
+            else:
+                rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, D)
+        masks = self._masks(slots, start + T, first_valid)
+        for block in self.blocks:
+            x = block(x, rope, masks, cache, attn_weights)
+        if cache is not None:
+            cache.advance(T)
+        return self.norm_f(x)  # (B, T, C)
+
+    def _masks(
+        self, slots: Tensor, n_keys: int, first_valid: Tensor | None
+    ) -> dict[int | None, Tensor | None]:
+        """An attention mask per distinct layer window; None where plain causal attention will do."""
+        T = slots.numel()
+        plain_causal = first_valid is None and (n_keys == T or T == 1)
+        windows = {block.attn.window for block in self.blocks}
+        return {
+            w: None
+            if plain_causal and (w is None or n_keys <= w)
+            else attention_mask(slots, n_keys, w, first_valid)
+            for w in windows
+        }
+
+    @torch.no_grad()
+    def attention_maps(self, idx: Tensor) -> list[Tensor]:
+        """Attention weights (B, H, T, T) of every layer, by the math path whatever the backend."""
+        maps: list[Tensor] = []
+        self.hidden(idx, attn_weights=maps)
+        return maps

@@ -1,0 +1,155 @@
+"""Generation: the KV cache reproduces full forward passes; sampling options behave as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.errors import KilnError
+from kiln.model import ModelConfig, Transformer
+from kiln.model.generate import KVCache, generate, sample_next, stream
+from tests.model.helpers import build, gpt2_small, llama_small
+
+FAMILIES = {
+    "gpt2": gpt2_small(),
+    "llama-gqa": llama_small(),
+    "mqa-window-qknorm-softcap": llama_small(
+        n_kv_head=1, sliding_window=4, window_pattern="LG", qk_norm=True, logit_softcap=5.0
+    ),
+    "padded-vocab": gpt2_small(vocab_multiple=128, tie_embeddings=False),
+}
+
+
+def greedy_by_full_forward(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """The reference: recompute the whole sequence for every new token."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES.keys())
+def test_greedy_with_cache_equals_repeated_full_forward(cfg: ModelConfig) -> None:
+    model = build(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (7,)).tolist()
+    assert generate(model, [prompt], 20, temperature=0) == [
+        greedy_by_full_forward(model, prompt, 20)
+    ]
+
+
+@pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES.keys())
+def test_batched_prompts_of_different_lengths_decode_as_if_alone(cfg: ModelConfig) -> None:
+    model = build(cfg)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (3, 11, 1, 6)]
+    batched = generate(model, prompts, 12, temperature=0)
+    alone = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    assert batched == alone
+    assert batched[1] == greedy_by_full_forward(model, prompts[1], 12)
+
+
+def test_cached_logits_equal_full_forward_logits() -> None:
+    model = build(llama_small())
+    idx = torch.randint(0, 300, (2, 12))
+    cache = KVCache(model.cfg, 2, 12)
+    with torch.no_grad():
+        first = model(idx[:, :5], cache=cache)
+        rest = [model(idx[:, t : t + 1], cache=cache) for t in range(5, 12)]
+        full = model(idx)
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 12
+
+
+def test_cache_is_preallocated_with_kv_heads_only() -> None:
+    cfg = llama_small(n_head=8, n_kv_head=2, n_embd=64)
+    cache = KVCache(cfg, batch_size=3, max_len=20)
+    assert len(cache.k) == cfg.n_layer
+    assert cache.k[0].shape == (3, 2, 20, 8)  # 2 kv heads, not 8
+    with pytest.raises(KilnError, match="holds 20 tokens"):
+        cache.update(0, torch.zeros(3, 2, 21, 8), torch.zeros(3, 2, 21, 8))
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ() -> None:
+    model = build(gpt2_small())
+    prompts = [[1, 2, 3], [4, 5]]
+    a = generate(model, prompts, 15, temperature=1.0, seed=123)
+    assert a == generate(model, prompts, 15, temperature=1.0, seed=123)
+    assert a != generate(model, prompts, 15, temperature=1.0, seed=124)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    model = build(llama_small())
+    greedy = generate(model, [[5, 6, 7]], 10, temperature=0)
+    assert generate(model, [[5, 6, 7]], 10, temperature=1.5, top_k=1, seed=0) == greedy
+    assert generate(model, [[5, 6, 7]], 10, temperature=1.5, top_p=1e-6, seed=0) == greedy
+
+
+def test_sample_next_respects_top_k_and_top_p_support() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, 1.0, top_k=2, generator=gen).tolist()) == {0, 1}
+    # top_p 0.7: tokens 0 and 1 (0.5 + 0.3 >= 0.7) are kept, 2 and 3 never drawn.
+    drawn = sample_next(logits, 1.0, top_p=0.7, generator=gen)
+    assert set(drawn.tolist()) == {0, 1}
+    assert (drawn == 0).float().mean().item() == pytest.approx(0.5 / 0.8, abs=0.03)
+    full = sample_next(logits, 1.0, generator=gen)
+    assert (full == 3).float().mean().item() == pytest.approx(0.05, abs=0.015)
+
+
+def test_stop_token_ends_a_row_and_is_not_returned() -> None:
+    model = build(gpt2_small())
+    free = generate(model, [[1, 2], [3, 4, 5]], 10, temperature=0)
+    stop = free[0][3]
+    first_stop = free[0].index(stop)
+    out = generate(model, [[1, 2], [3, 4, 5]], 10, temperature=0, stop_tokens=[stop])
+    assert out[0] == free[0][:first_stop]
+    row1_cut = free[1].index(stop) if stop in free[1] else len(free[1])
+    assert out[1] == free[1][:row1_cut]
+
+
+def test_stream_yields_the_generated_tokens_one_by_one() -> None:
+    model = build(llama_small())
+    it = stream(model, [9, 8, 7], 6, temperature=0)
+    assert next(it) == generate(model, [[9, 8, 7]], 1, temperature=0)[0][0]
+    assert [next(it) for _ in range(5)] == generate(model, [[9, 8, 7]], 6, temperature=0)[0][1:]
+    assert list(it) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompts": [[1] * 60], "max_new_tokens": 10}, "exceeds the model's block_size 64"),
+        ({"prompts": [[]], "max_new_tokens": 1}, "at least one token"),
+        ({"prompts": [[1, 999]], "max_new_tokens": 1}, "token id 999 is outside"),
+        ({"prompts": [[1]], "max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prompts": [[1]], "max_new_tokens": 1, "top_p": 0.0}, "top_p must be in"),
+    ],
+)
+def test_bad_requests_are_clear_errors(kwargs: dict, message: str) -> None:
+    model = build(gpt2_small())
+    with pytest.raises(KilnError, match=message):
+        generate(model, **kwargs)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens() -> None:
+    model = build(llama_small())
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eager = generate(model, prompts, 16, temperature=0)
+    assert generate(model, prompts, 16, temperature=0, compile=True) == eager
+
+
+@pytest.mark.slow
+def test_compiled_training_step_matches_eager() -> None:
+    model = build(gpt2_small(), seed=3).train()
+    compiled = torch.compile(model)
+    idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    loss_c = compiled(idx, targets)
+    loss_c.backward()
+    grads_c = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_e = model(idx, targets)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for gc, p in zip(grads_c, model.parameters(), strict=True):
+        torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-5)
