@@ -174,7 +174,7 @@ def _load_tokenizer(config: TokenizeConfig) -> tuple[Tokenizer, TokenizerEntry]:
             f"with (it has {sorted(tok.special_tokens)}); pass --eot-token"
         )
     entry = TokenizerEntry(
-        path=str(path.resolve()),
+        path=os.path.abspath(path),
         sha256=sha256_file(path),
         vocab_size=tok.n_vocab,
         eot_token=config.eot_token,
@@ -235,7 +235,7 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
             dtype=dtype_name(dtype),
             splits={s: w.close() for s, w in writers.items()},
             sources=tuple(_source_entry(p, t) for p, t in zip(config.inputs, tallies, strict=True)),
-            config={**asdict(config), "inputs": [str(Path(p).resolve()) for p in config.inputs]},
+            config={**asdict(config), "inputs": [os.path.abspath(p) for p in config.inputs]},
             created=datetime.now(UTC).isoformat(timespec="seconds"),
             kiln_version=__version__,
         )
@@ -251,7 +251,7 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
 
 def _source_entry(path: str, tally: _SourceTally) -> SourceEntry:
     return SourceEntry(
-        path=str(Path(path).resolve()),
+        path=os.path.abspath(path),
         documents=tally.documents,
         tokens=tally.tokens,
         empty_skipped=tally.counts.empty_skipped,
@@ -286,7 +286,7 @@ def _encode_all(
         total=total, unit="doc", desc="tokenize", disable=not config.progress, dynamic_ncols=True
     )
     started, n_tokens = time.perf_counter(), 0
-    tokenizer_path = str(Path(config.tokenizer).resolve())
+    tokenizer_path = os.path.abspath(config.tokenizer)
 
     def write(batch: _Batch, flat: np.ndarray, lengths: np.ndarray) -> None:
         nonlocal n_tokens
