@@ -19,6 +19,34 @@ _COMMAND_MODULES: list[str] = [
 ]
 
 
+def add_command_group(
+    sub: argparse._SubParsersAction, name: str, help_text: str, description: str, example: str
+) -> argparse._SubParsersAction:
+    """Add `kiln NAME` with its own subcommands; bare `kiln NAME` prints the group's help."""
+    group = sub.add_parser(
+        name,
+        help=help_text,
+        description=description,
+        epilog=f"example: {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group.set_defaults(handler=lambda args: group.print_help() or 0)
+    return group.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
+
+
+def add_subcommand(
+    commands: argparse._SubParsersAction, name: str, help_text: str, examples: str
+) -> argparse.ArgumentParser:
+    """Add one subcommand whose --help ends with its examples."""
+    return commands.add_parser(
+        name,
+        help=help_text,
+        description=help_text,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the full argument parser with every package's subcommands."""
     parser = argparse.ArgumentParser(

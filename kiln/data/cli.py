@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any
 
+from kiln.cli import add_command_group, add_subcommand
 from kiln.errors import KilnError
 
 _EXAMPLES = {
@@ -19,39 +20,24 @@ _EXAMPLES = {
 }
 
 
-def _subparser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
-    return sub.add_parser(
-        name,
-        help=help_text,
-        description=help_text,
-        epilog=_EXAMPLES[name],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 def register(sub: Any) -> None:
     """Add the `data` command group to the top-level `kiln` parser."""
-    group = sub.add_parser(
+    commands = add_command_group(
+        sub,
         "data",
-        help="tokenize documents into token shards, and inspect shard datasets",
-        description="Token-shard datasets: tokenize documents into shards, inspect them.",
-        epilog="example: kiln data tokenize --tokenizer tok.json corpus.txt.gz --out data/corpus",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "tokenize documents into token shards, and inspect shard datasets",
+        "Token-shard datasets: tokenize documents into shards, inspect them.",
+        "kiln data tokenize --tokenizer tok.json corpus.txt.gz --out data/corpus",
     )
-    group.set_defaults(handler=lambda args: _print_help(group))
-    commands = group.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     _add_tokenize(commands)
     _add_inspect(commands)
 
 
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 0
-
-
 # ----------------------------------------------------------------------------------- tokenize
 def _add_tokenize(commands: Any) -> None:
-    p = _subparser(commands, "tokenize", "encode documents into a token-shard dataset")
+    p = add_subcommand(
+        commands, "tokenize", "encode documents into a token-shard dataset", _EXAMPLES["tokenize"]
+    )
     p.add_argument(
         "inputs",
         nargs="+",
@@ -116,7 +102,12 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ inspect
 def _add_inspect(commands: Any) -> None:
-    p = _subparser(commands, "inspect", "summarise a token-shard dataset and show a document")
+    p = add_subcommand(
+        commands,
+        "inspect",
+        "summarise a token-shard dataset and show a document",
+        _EXAMPLES["inspect"],
+    )
     p.add_argument("directory", metavar="DIR", help="a dataset made by `kiln data tokenize`")
     p.add_argument(
         "--tokenizer", metavar="TOK.json", help="tokenizer to decode with (default: the manifest's)"

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kiln.cli import add_command_group, add_subcommand
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
 
@@ -39,37 +40,20 @@ _EXAMPLES = {
 }
 
 
-def _subparser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
-    return sub.add_parser(
-        name,
-        help=help_text,
-        description=help_text,
-        epilog=_EXAMPLES[name],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 def register(sub: Any) -> None:
     """Add the `tokenizer` command group to the top-level `kiln` parser."""
-    group = sub.add_parser(
+    commands = add_command_group(
+        sub,
         "tokenizer",
-        help="train, use, inspect and convert byte-level BPE tokenizers",
-        description="Byte-level BPE tokenizers: train, encode, decode, inspect, convert.",
-        epilog="example: kiln tokenizer train corpus.txt --vocab-size 8000 -o tok.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "train, use, inspect and convert byte-level BPE tokenizers",
+        "Byte-level BPE tokenizers: train, encode, decode, inspect, convert.",
+        "kiln tokenizer train corpus.txt --vocab-size 8000 -o tok.json",
     )
-    group.set_defaults(handler=lambda args: _print_help(group))
-    commands = group.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
     _add_train(commands)
     _add_encode(commands)
     _add_decode(commands)
     _add_inspect(commands)
     _add_convert(commands)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 0
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -99,7 +83,9 @@ def _read_input_file(path: str) -> str:
 
 # -------------------------------------------------------------------------------------- train
 def _add_train(commands: Any) -> None:
-    p = _subparser(commands, "train", "train a byte-level BPE tokenizer on text files")
+    p = add_subcommand(
+        commands, "train", "train a byte-level BPE tokenizer on text files", _EXAMPLES["train"]
+    )
     p.add_argument(
         "inputs",
         nargs="+",
@@ -162,7 +148,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- encode / decode
 def _add_encode(commands: Any) -> None:
-    p = _subparser(commands, "encode", "encode text to token ids")
+    p = add_subcommand(commands, "encode", "encode text to token ids", _EXAMPLES["encode"])
     p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
     p.add_argument("text", nargs="?", metavar="TEXT", help="text to encode (default: stdin)")
     p.add_argument("-f", "--file", help="encode this file's content instead")
@@ -196,7 +182,7 @@ def run_encode(args: argparse.Namespace) -> int:
 
 
 def _add_decode(commands: Any) -> None:
-    p = _subparser(commands, "decode", "decode token ids to text")
+    p = add_subcommand(commands, "decode", "decode token ids to text", _EXAMPLES["decode"])
     p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
     p.add_argument("ids", nargs="*", metavar="ID", help="token ids (default: read from stdin)")
     p.set_defaults(handler=run_decode)
@@ -225,7 +211,12 @@ def run_decode(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------ inspect
 def _add_inspect(commands: Any) -> None:
-    p = _subparser(commands, "inspect", "show how text splits into tokens, compression, longest")
+    p = add_subcommand(
+        commands,
+        "inspect",
+        "show how text splits into tokens, compression, longest",
+        _EXAMPLES["inspect"],
+    )
     p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
     p.add_argument("text", nargs="?", metavar="TEXT", help="text to inspect")
     p.add_argument("-f", "--file", action="append", default=[], help="a file to inspect (repeat)")
@@ -277,7 +268,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------ convert
 def _add_convert(commands: Any) -> None:
     formats = ("kiln", "hf", "gpt2", "tiktoken")
-    p = _subparser(commands, "convert", "convert between kiln, HF, GPT-2 and tiktoken files")
+    p = add_subcommand(
+        commands,
+        "convert",
+        "convert between kiln, HF, GPT-2 and tiktoken files",
+        _EXAMPLES["convert"],
+    )
     p.add_argument("src", metavar="SRC", help="input file (a GPT-2 vocab.json for --from gpt2)")
     p.add_argument("dst", metavar="DST", help="output file")
     p.add_argument("--from", dest="src_format", choices=formats, help="default: from the content")
