@@ -15,6 +15,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
     "kiln.model.cli",
+    "kiln.train.cli",
     "kiln.demo",
 ]
 

@@ -1,0 +1,1 @@
+"""Training: config, optimizers, lr schedules, the loop, checkpoints with exact resume, metrics."""

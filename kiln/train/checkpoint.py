@@ -1,0 +1,310 @@
+"""Checkpoints: `runs/<name>/checkpoints/step_<N>/` written whole or not at all, plus `latest`.
+
+A checkpoint directory holds `model.safetensors` (a tied head stored once), `optimizer.pt`
+(torch optimizer state dicts, loaded with weights_only) and `state.json`: step, tokens seen,
+loader cursor, RNG states per rank, the schedule, kiln version, git commit and the fully
+resolved config. It is written under a temporary name and renamed, so a reader never sees half
+of one; `checkpoints/latest` (a one-line text file) names the newest complete one.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kiln import __version__
+from kiln.data.manifest import Manifest
+from kiln.errors import KilnError
+from kiln.io import atomic_write, write_json_atomic
+
+STATE_FORMAT = "kiln.checkpoint"
+STATE_VERSION = 1
+LATEST = "latest"
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass
+class TrainState:
+    """What `state.json` holds beyond the tensors."""
+
+    step: int  # optimizer updates done (including skipped non-finite ones)
+    tokens: int  # training tokens consumed
+    cursor: dict[str, int]  # the loader's resume point
+    config: dict[str, Any]  # the fully resolved TrainConfig
+    dataset: dict[str, Any]  # `dataset_fingerprint` of the training data
+    skipped_steps: int = 0
+    rng: dict[str, Any] | None = None  # rank (as text) -> RNG states
+
+
+# ---- RNG --------------------------------------------------------------------------------------
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _u32_b64(values: Any) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<u4").tobytes()).decode("ascii")
+
+
+def _u32_from_b64(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<u4")
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's Python, NumPy and torch (CPU and every CUDA device) RNG states, as JSON.
+
+    The Mersenne Twister states (624 32-bit words and a position) are stored base64-encoded.
+    """
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": _u32_b64(internal), "gauss": gauss},
+        "numpy": {
+            "kind": kind, "keys": _u32_b64(keys), "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": _b64(torch.get_rng_state()),
+    }  # fmt: skip
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set the RNGs to states captured by `capture_rng`."""
+    py = state["python"]
+    internal = tuple(int(v) for v in _u32_from_b64(py["state"]))
+    random.setstate((py["version"], internal, py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["kind"], _u32_from_b64(npy["keys"]).astype(np.uint32), npy["pos"],
+         npy["has_gauss"], npy["cached_gaussian"])
+    )  # fmt: skip
+    torch.set_rng_state(_from_b64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_from_b64(s) for s in state["cuda"]])
+
+
+# ---- paths ------------------------------------------------------------------------------------
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    """The directory of the checkpoint after `step` updates."""
+    return checkpoints / f"step_{step}"
+
+
+def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, dir), oldest first."""
+    found = []
+    if checkpoints.is_dir():
+        for entry in checkpoints.iterdir():
+            name = entry.name
+            if entry.is_dir() and name.startswith("step_") and name[5:].isdigit():
+                found.append((int(name[5:]), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(checkpoints: Path) -> Path | None:
+    """The checkpoint `latest` names, or None when there is none; a dangling pointer is an error."""
+    pointer = checkpoints / LATEST
+    if not pointer.is_file():
+        return None
+    target = checkpoints / pointer.read_text(encoding="utf-8").strip()
+    if not (target / "state.json").is_file():
+        raise KilnError(f"{pointer} names {target.name}, which is missing or incomplete")
+    return target
+
+
+def dataset_fingerprint(manifest: Manifest) -> dict[str, Any]:
+    """What identifies a dataset's contents wherever it lives: tokenizer and shard checksums."""
+    fingerprint: dict[str, Any] = {
+        "tokenizer_sha256": manifest.tokenizer.sha256,
+        "vocab_size": manifest.tokenizer.vocab_size,
+    }
+    for name, split in sorted(manifest.splits.items()):
+        digest = hashlib.sha256("".join(s.sha256 for s in split.shards).encode()).hexdigest()
+        fingerprint[f"{name}_tokens"] = split.tokens
+        fingerprint[f"{name}_shards_sha256"] = digest
+    return fingerprint
+
+
+def git_commit() -> str | None:
+    """The commit of the kiln source tree, when it is a git checkout and git is installed."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    checkpoints: Path,
+    model: nn.Module,
+    optimizer: Any,
+    state: TrainState,
+    scheduler: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write the checkpoint of `state.step` atomically, point `latest` at it, prune old ones."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    final = step_dir(checkpoints, state.step)
+    tmp = checkpoints / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        tensors, _ = unique_tensors(model)
+        save_file(tensors, str(tmp / "model.safetensors"))
+        umask = os.umask(0)  # safetensors creates the file 0600; give it a plain open()'s mode
+        os.umask(umask)
+        os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        doc = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "step": state.step,
+            "tokens": state.tokens,
+            "skipped_steps": state.skipped_steps,
+            "cursor": state.cursor,
+            "rng": state.rng if state.rng is not None else {"0": capture_rng()},
+            "scheduler": scheduler,
+            "kiln_version": __version__,
+            "git_commit": git_commit(),
+            "dataset": state.dataset,
+            "config": state.config,
+        }
+        write_json_atomic(tmp / "state.json", doc)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, never half-delete
+            old = checkpoints / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with atomic_write(checkpoints / LATEST) as handle:
+        handle.write(final.name + "\n")
+    _fsync_dir(checkpoints)
+    prune(checkpoints, keep_last)
+    return final
+
+
+def prune(checkpoints: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
+    keep = latest_checkpoint(checkpoints)
+    for _, path in list_checkpoints(checkpoints)[:-keep_last]:
+        if keep is None or path.resolve() != keep.resolve():
+            shutil.rmtree(path)
+
+
+def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The state dict with each shared tensor once (under its first name), and the dropped names.
+
+    A tied LM head is the embedding's own Parameter: it is stored once, as the embedding (the
+    layout Hugging Face uses), and loading the embedding restores both.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: set[str] = set()
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            aliases.add(name)
+            continue
+        seen.add(key)
+        tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (a directory's entries are flushed by fsync on the directory)."""
+    with contextlib.suppress(OSError):  # not every filesystem allows opening a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The `state.json` of checkpoint directory `path`, checked for format and version."""
+    file = path / "state.json"
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{file}: cannot read checkpoint state ({exc})") from None
+    if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
+        raise KilnError(
+            f"{file}: not a kiln checkpoint of version {STATE_VERSION} "
+            f"(format {doc.get('format')!r}, version {doc.get('version')!r})"
+        )
+    return doc
+
+
+def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.device) -> None:
+    """Load the model weights and the optimizer state of checkpoint `path` in place."""
+    _, aliases = unique_tensors(model)
+    tensors = load_file(str(path / "model.safetensors"), device=str(device))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [name for name in missing if name not in aliases]
+    if missing or unexpected:
+        raise KilnError(
+            f"{path}/model.safetensors does not match the model: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    state = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as exc:
+        raise KilnError(f"{path}/optimizer.pt does not match the optimizer: {exc}") from None
+
+
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[str]:
+    """`key: old -> new` for every leaf that differs between two plain config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(config_differences(a, b, f"{name}."))
+        elif _normal(a) != _normal(b):
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def _normal(value: Any) -> Any:
+    """Tuples and lists compare equal (JSON turns one into the other)."""
+    return [_normal(v) for v in value] if isinstance(value, list | tuple) else value

@@ -1,0 +1,204 @@
+"""TrainConfig: the sections of a `kiln train` TOML file, their defaults and their checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kiln import config as cfgio
+from kiln.config import ConfigError
+from kiln.model.config import ModelConfig, ModelConfigError
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class DataConfig:
+    """Which token-shard dataset to read, and how it is cut into windows."""
+
+    dataset: str = ""  # a dataset directory written by `kiln data tokenize`
+    seq_len: int = 256  # tokens per training window (T); each window reads T + 1
+    seed: int = 0  # fixes the epoch permutations of the window stream
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dataset), "data.dataset: give the token-shard dataset directory")
+        _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW for everything, or Muon for 2-D hidden matrices with AdamW for the rest."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-4  # peak learning rate (Muon uses it too, RMS-matched to AdamW)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only (not biases, norms or embeddings)
+    fused: bool | None = None  # None: fused AdamW where the device supports it
+    muon_momentum: float = 0.95
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        _check(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1): {self.betas}")
+        _check(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0: {self.weight_decay}")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate multiplier over steps: warmup then cosine, or warmup-stable-decay."""
+
+    name: Literal["warmup_cosine", "wsd"] = "warmup_cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to the floor
+    min_lr_ratio: float = 0.1  # floor as a fraction of the peak lr
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0, f"schedule.warmup_steps must be >= 0: {self.warmup_steps}")
+        _check(
+            0 <= self.decay_fraction <= 1,
+            f"schedule.decay_fraction must be in [0, 1], got {self.decay_fraction}",
+        )
+        _check(
+            0 <= self.min_lr_ratio <= 1,
+            f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
+
+
+@dataclass
+class BatchConfig:
+    """Global batch in tokens per optimizer step; micro-batch in sequences per forward pass."""
+
+    global_tokens: int = 16384
+    micro_batch: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.global_tokens >= 1, f"batch.global_tokens must be >= 1: {self.global_tokens}")
+        _check(self.micro_batch >= 1, f"batch.micro_batch must be >= 1: {self.micro_batch}")
+
+
+@dataclass
+class TrainSection:
+    """How long and how: steps, clipping, precision, compile, device, seed, non-finite policy."""
+
+    max_steps: int = 1000
+    grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
+    dtype: Literal["bf16", "fp32"] = "bf16"  # autocast dtype of matmuls (weights stay fp32)
+    compile: bool = False
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    seed: int = 0  # model initialisation and any sampling in training (dropout)
+    skip_nonfinite: bool = False  # skip a step with a non-finite loss/gradient instead of stopping
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
+        _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss every `every` steps (0: only at the end) on `batches` fixed val batches."""
+
+    every: int = 100
+    batches: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        _check(self.batches >= 0, f"eval.batches must be >= 0 (0: no eval), got {self.batches}")
+
+
+@dataclass
+class CheckpointConfig:
+    """A checkpoint every `every` steps (and at the end); only the newest `keep_last` are kept."""
+
+    every: int = 500
+    keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        _check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics every `every` steps into `run_dir`/metrics.jsonl; a progress bar when `progress`."""
+
+    every: int = 10
+    run_dir: str = ""  # "": runs/<config file name>
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, f"logging.every must be >= 1, got {self.every}")
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run. `model` is a preset name plus ModelConfig field overrides."""
+
+    data: DataConfig
+    model: dict[str, Any] = field(
+        default_factory=dict, metadata={"schema": ModelConfig, "extra": {"preset": str}}
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ModelConfig this run trains; `vocab_size` (the dataset's) fills it in if unset."""
+        fields = dict(self.model)
+        preset = fields.pop("preset", None)
+        if vocab_size is not None and "vocab_size" not in fields:
+            fields["vocab_size"] = vocab_size
+        try:
+            cfg = ModelConfig.preset(preset, **fields) if preset else ModelConfig.from_dict(fields)
+        except ModelConfigError as exc:
+            raise ConfigError(f"model: {exc}") from None
+        _check(
+            self.data.seq_len <= cfg.block_size,
+            f"data.seq_len ({self.data.seq_len}) is longer than model.block_size "
+            f"({cfg.block_size})",
+        )
+        if vocab_size is not None:
+            _check(
+                cfg.vocab_size >= vocab_size,
+                f"model.vocab_size ({cfg.vocab_size}) is smaller than the dataset's vocabulary "
+                f"({vocab_size}); leave it unset to take the dataset's",
+            )
+        return cfg
+
+    def resolved(self, model: ModelConfig) -> TrainConfig:
+        """This config with the model section replaced by every field of `model` (no preset)."""
+        # None fields mean "the default" and TOML cannot write them: leave them out.
+        fields = {k: v for k, v in model.to_dict().items() if v is not None}
+        return dataclasses.replace(self, model=fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (TOML-ready; None values are dropped by the writer)."""
+        return cfgio.to_dict(self)
+
+    def to_toml(self) -> str:
+        """The config as TOML text that `load_train_config` reads back to an equal config."""
+        return cfgio.to_toml(self.to_dict(), header="kiln train config (fully resolved)")
+
+
+def load_train_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainConfig:
+    """Read a TrainConfig from TOML with `--set` overrides; errors name the file and the key."""
+    return cfgio.load(TrainConfig, path, overrides)
+
+
+def default_run_dir(cfg: TrainConfig, config_path: str | Path | None) -> Path:
+    """The run directory: logging.run_dir, else runs/<config file stem>."""
+    if cfg.logging.run_dir:
+        return Path(cfg.logging.run_dir)
+    stem = Path(config_path).stem if config_path else "train"
+    return Path("runs") / stem

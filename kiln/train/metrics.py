@@ -1,0 +1,99 @@
+"""Training metrics: throughput, MFU against a per-device peak table, and metrics.jsonl.
+
+MFU = achieved model FLOPs/s ÷ peak FLOPs/s, with model FLOPs per token from the config
+(`ModelConfig.flops_per_token`: 6·N_matmul + attention). Peaks are dense bf16 tensor-core
+figures; on a CPU or an unknown accelerator MFU is null ("n/a"), never a made-up number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Dense (no sparsity) bf16 peak FLOP/s per device, from the vendors' data sheets. The first
+# name that is a substring of the device name wins, so more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of a device by its name, or None when it is not in the table."""
+    if not device_name:
+        return None
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def device_peak_flops(device: Any) -> float | None:
+    """Peak of a torch device: looked up for CUDA devices, None for the CPU and the unknown."""
+    if getattr(device, "type", device) != "cuda":
+        return None
+    import torch
+
+    return peak_flops(torch.cuda.get_device_name(device))
+
+
+def mfu(
+    tokens_per_s: float, flops_per_token: int, peak_per_device: float | None, n_devices: int = 1
+) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None without a known peak."""
+    if peak_per_device is None or peak_per_device <= 0 or n_devices < 1:
+        return None
+    return tokens_per_s * flops_per_token / (peak_per_device * n_devices)
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN or infinity: write null (and the reason is the stopping message)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to `metrics.jsonl`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (flushed at once, so a crash loses at most the line being written)."""
+        line = json.dumps({k: _finite_or_none(v) for k, v in record.items()})
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after `step`: a resumed run rewrites them from its checkpoint."""
+        if not self.path.is_file():
+            return
+        kept = [
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and _step_of(line) <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every record in the file."""
+        if not self.path.is_file():
+            return []
+        text = self.path.read_text(encoding="utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn last line from a crash: drop it

@@ -1,0 +1,396 @@
+"""The training loop: gradient accumulation, clipping, autocast, eval, checkpoints, exact resume.
+
+One optimizer step consumes `batch.global_tokens` tokens: `accum` micro-steps, each reading the
+next `world_size · micro_batch` windows of the loader's stream (this rank's slice of them). The
+loss of each micro-step is divided by `accum` so the accumulated gradient is that of the mean.
+
+Everything that decides the next step (weights, optimizer state, loader cursor, RNG states,
+step) is in a checkpoint, and the lr is a pure function of the step, so a resumed run takes the
+same steps as an uninterrupted one (bit for bit on the CPU).
+
+Parallelism is applied from outside the model (torchtitan style): `parallelize(model, cfg,
+dist)` returns the module to train (DDP/FSDP wrapping and compile go there). The loop only asks
+the wrapped module for `no_sync()` on the non-final micro-steps when it offers it (DDP does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln import config as cfgio
+from kiln.data import Dataset, Loader, LoaderCursor
+from kiln.errors import KilnError
+from kiln.io import atomic_write
+from kiln.model import ModelConfig, Transformer
+from kiln.train import checkpoint as ckpt
+from kiln.train.config import TrainConfig
+from kiln.train.metrics import MetricsLog, device_peak_flops, mfu
+from kiln.train.optim import build_optimizer, set_lr
+from kiln.train.schedule import lr_multiplier
+
+
+class NonFiniteError(KilnError):
+    """The loss or gradient norm of a step was NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place among the training processes (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs, metrics and checkpoints."""
+        return self.rank == 0
+
+
+Parallelize = Callable[[nn.Module, TrainConfig, DistInfo], nn.Module]
+
+
+def default_parallelize(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
+    """The module to train on one process: the model, compiled when train.compile is set."""
+    return torch.compile(model) if cfg.train.compile else model
+
+
+def accumulation_steps(global_tokens: int, world_size: int, micro_batch: int, seq_len: int) -> int:
+    """Micro-steps per optimizer step; the global batch must split exactly into micro-batches."""
+    per_micro = world_size * micro_batch * seq_len
+    if global_tokens % per_micro:
+        lower = max(per_micro, global_tokens // per_micro * per_micro)
+        raise KilnError(
+            f"batch.global_tokens ({global_tokens}) must be a multiple of world_size × "
+            f"batch.micro_batch × data.seq_len = {world_size} × {micro_batch} × {seq_len} = "
+            f"{per_micro}; use e.g. {lower} or {lower + per_micro}"
+        )
+    return global_tokens // per_micro
+
+
+def resolve_device(name: str, dist: DistInfo) -> torch.device:
+    """The torch device of `train.device` ("auto": this rank's GPU when there is one, else CPU)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", dist.local_rank)
+    return device
+
+
+@dataclass
+class RunResult:
+    """What a call to `Trainer.run` did."""
+
+    step: int
+    tokens: int
+    losses: list[float] = field(default_factory=list)  # one per step taken in this call
+    val_loss: float | None = None
+    interrupted: bool = False
+    signal: int | None = None  # the signal that asked for the stop, if one did
+    checkpoint: Path | None = None
+
+
+class Trainer:
+    """Builds the model, optimizer and loader of a TrainConfig (resuming if asked) and trains."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: str | Path,
+        resume: bool = False,
+        dist: DistInfo | None = None,
+        parallelize: Parallelize = default_parallelize,
+        on_step: Callable[[Trainer, int, float], None] | None = None,
+    ) -> None:
+        self.dist = dist or DistInfo()
+        self.run_dir = Path(run_dir)
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.on_step = on_step
+        self.device = resolve_device(cfg.train.device, self.dist)
+        self.dataset = Dataset.open(cfg.data.dataset)
+        self.model_cfg: ModelConfig = cfg.model_config(self.dataset.vocab_size)
+        self.cfg = cfg.resolved(self.model_cfg)
+        self.accum = accumulation_steps(
+            cfg.batch.global_tokens, self.dist.world_size, cfg.batch.micro_batch, cfg.data.seq_len
+        )
+        self.notes: list[str] = []  # what a resume changed, for the CLI to print
+        saved = self._find_resume_point(resume)
+
+        if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.train.seed)
+        self.model = Transformer(self.model_cfg).to(self.device)
+        # torchtitan's order: parallelize (FSDP2 shards the parameters in place), then build the
+        # optimizer over the parameters as they now are, then load a checkpoint into both.
+        self.train_model = parallelize(self.model, self.cfg, self.dist)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.step, self.tokens, self.skipped = 0, 0, 0
+        cursor = LoaderCursor()
+        if saved is not None:
+            path, state = saved
+            ckpt.load_weights(path, self.model, self.optimizer, self.device)
+            self.step, self.tokens = state["step"], state["tokens"]
+            self.skipped = state.get("skipped_steps", 0)
+            cursor = LoaderCursor.from_dict(state["cursor"])
+            rng = state["rng"].get(str(self.dist.rank))
+            if rng is None:
+                raise KilnError(f"{path}: no RNG state saved for rank {self.dist.rank}")
+            ckpt.restore_rng(rng)
+        self.last_saved = self.step if saved is not None else -1
+        B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.dist.world_size
+        self.loader = Loader(
+            self.dataset, "train", T, W * B, cfg.data.seed, cursor, self.dist.rank, W
+        )
+        self.val_batches = self._val_batches() if cfg.eval.batches > 0 else []
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.flops_per_token = self.model_cfg.flops_per_token(T)
+        self.peak = device_peak_flops(self.device)
+        self._stop_signal: int | None = None
+        if self.dist.is_main:
+            self.metrics.truncate_after(self.step)
+            with atomic_write(self.run_dir / "config.toml") as handle:
+                handle.write(self.cfg.to_toml())
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def _find_resume_point(self, resume: bool) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint to resume from (checked against this config), or None for a fresh run."""
+        latest = ckpt.latest_checkpoint(self.checkpoints)
+        if not resume:
+            if latest is not None or ckpt.list_checkpoints(self.checkpoints):
+                raise KilnError(
+                    f"{self.checkpoints} already holds checkpoints; pass --resume to continue "
+                    "that run, or set logging.run_dir to start a new one"
+                )
+            return None
+        if latest is None:
+            raise KilnError(f"nothing to resume: {self.checkpoints} has no checkpoint")
+        state = ckpt.read_state(latest)
+        saved, now = state["config"], self.cfg.to_dict()
+        # The data is identified by its contents, so a dataset that moved may still resume.
+        fixed = ckpt.config_differences(
+            {"model": saved["model"], "data": {**saved["data"], "dataset": None},
+             "dataset": state["dataset"]},
+            {"model": now["model"], "data": {**now["data"], "dataset": None},
+             "dataset": ckpt.dataset_fingerprint(self.dataset.manifest)},
+        )  # fmt: skip
+        if fixed:
+            raise KilnError(
+                f"cannot resume from {latest}: the model or data changed "
+                f"({'; '.join(fixed)}); restore it or start a new run in another logging.run_dir"
+            )
+        self.notes = ckpt.config_differences(saved, now)
+        return latest, state
+
+    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed validation batches: the first `eval.batches` of the val stream."""
+        T, B, W = self.cfg.data.seq_len, self.cfg.batch.micro_batch, self.dist.world_size
+        split = self.dataset.split("val")  # a missing split is a clear KilnError
+        per_rank = min(B, (split.n_tokens - 1) // T // W)  # a small val split: smaller batches
+        if per_rank < 1:
+            raise KilnError(
+                f"{self.dataset.root}: the val split has {split.n_tokens} tokens, fewer than "
+                f"{W} window(s) of {T}+1; use more val documents or set eval.batches = 0"
+            )
+        size = per_rank * W
+        loader = Loader(
+            self.dataset, "val", T, size, self.cfg.data.seed, None, self.dist.rank,
+            self.dist.world_size,
+        )  # fmt: skip
+        return [loader.next_batch().to_torch(self.device) for _ in range(self.cfg.eval.batches)]
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Stop after the current step, saving a checkpoint (what SIGINT and SIGTERM do)."""
+        self._stop_signal = signum
+
+    def run(self) -> RunResult:
+        """Train until train.max_steps or a stop request; returns what this call did."""
+        cfg = self.cfg
+        result = RunResult(step=self.step, tokens=self.tokens)
+        bar = _progress(cfg, self.step, self.dist)
+        window_tokens, window_time = 0, 0.0
+        with self._signals_caught(), contextlib.closing(bar) if bar else contextlib.nullcontext():
+            while self.step < cfg.train.max_steps and self._stop_signal is None:
+                t0 = time.perf_counter()
+                loss, grad_norm, lr = self._train_step()
+                window_time += time.perf_counter() - t0
+                window_tokens += cfg.batch.global_tokens
+                result.losses.append(loss)
+                last = self.step == cfg.train.max_steps
+                record = self._maybe_eval(last)
+                if record or self.step % cfg.logging.every == 0 or last:
+                    tps = window_tokens / window_time if window_time > 0 else 0.0
+                    record = {
+                        "step": self.step, "tokens": self.tokens, "loss": loss, "lr": lr,
+                        "grad_norm": grad_norm, "tokens_per_s": tps,
+                        "mfu": mfu(tps, self.flops_per_token, self.peak, self.dist.world_size),
+                        "skipped_steps": self.skipped, **record,
+                    }  # fmt: skip
+                    window_tokens, window_time = 0, 0.0
+                    self._log(record, bar)
+                    result.val_loss = record.get("val_loss", result.val_loss)
+                every = cfg.checkpoint.every
+                if last or (every and self.step % every == 0):
+                    result.checkpoint = self.save()
+                if bar is not None:
+                    bar.update(1)
+                if self.on_step is not None:
+                    self.on_step(self, self.step, loss)
+        if self._stop_signal is not None and self.step < cfg.train.max_steps:
+            result.interrupted, result.signal = True, self._stop_signal
+            result.checkpoint = self.save()
+        result.step, result.tokens = self.step, self.tokens
+        return result
+
+    def _train_step(self) -> tuple[float, float, float]:
+        """One optimizer step over `accum` micro-batches: (mean loss, grad norm, lr)."""
+        cfg = self.cfg
+        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, cfg.train.max_steps))
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            x, y = self.loader.next_batch().to_torch(self.device)  # (B, T) each
+            with self._grad_sync(micro == self.accum - 1), self._autocast():
+                loss = self.train_model(x, y)
+            (loss / self.accum).backward()
+            total += loss.detach()
+        loss_value = (total / self.accum).item()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if cfg.train.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = float(norm)
+        if math.isfinite(loss_value) and math.isfinite(grad_norm):
+            self.optimizer.step()
+        elif cfg.train.skip_nonfinite:
+            self.skipped += 1
+        else:
+            raise NonFiniteError(self._nonfinite_message(loss_value, grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += cfg.batch.global_tokens
+        return loss_value, grad_norm, lr
+
+    def _nonfinite_message(self, loss: float, grad_norm: float) -> str:
+        """Why the run stopped and where to go on from."""
+        latest = ckpt.latest_checkpoint(self.checkpoints)
+        where = (
+            f"the last good checkpoint is {latest} (continue with --resume)"
+            if latest is not None
+            else "no checkpoint was saved yet"
+        )
+        return (
+            f"step {self.step + 1}: non-finite loss {loss} or gradient norm {grad_norm}; "
+            f"stopped without updating the weights, {where}. Lower optim.lr or train.grad_clip, "
+            "or set train.skip_nonfinite = true to skip such steps"
+        )
+
+    def _grad_sync(self, last_micro: bool) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient all-reduce on non-final micro-steps when the module supports it (DDP)."""
+        no_sync = getattr(self.train_model, "no_sync", None)
+        return contextlib.nullcontext() if last_micro or no_sync is None else no_sync()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast for matmuls (on CPU and CUDA), or nothing for fp32."""
+        enabled = self.cfg.train.dtype == "bf16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the fixed val batches (None when eval.batches is 0)."""
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in self.val_batches:
+            with self._autocast():
+                total += self.model(x, y)
+        self.model.train()
+        return (total / len(self.val_batches)).item()
+
+    def _maybe_eval(self, last: bool) -> dict[str, float]:
+        """{"val_loss": …} at eval steps (every eval.every steps, and the last), else {}."""
+        every = self.cfg.eval.every
+        if not self.val_batches or not (last or (every and self.step % every == 0)):
+            return {}
+        value = self.evaluate()
+        return {} if value is None else {"val_loss": value}
+
+    def _log(self, record: dict[str, Any], bar: Any) -> None:
+        """Append the record to metrics.jsonl and show it on the progress bar."""
+        if not self.dist.is_main:
+            return
+        self.metrics.write(record)
+        if bar is not None:
+            shown = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+            if record["mfu"] is not None:
+                shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+            if "val_loss" in record:
+                shown["val"] = f"{record['val_loss']:.4f}"
+            bar.set_postfix(shown, refresh=False)
+
+    def save(self) -> Path | None:
+        """Checkpoint the current step (once per step; only the main process writes)."""
+        if not self.dist.is_main:
+            return None
+        if self.step == self.last_saved:
+            return ckpt.step_dir(self.checkpoints, self.step)
+        state = ckpt.TrainState(
+            step=self.step,
+            tokens=self.tokens,
+            cursor=self.loader.cursor.to_dict(),
+            config=self.cfg.to_dict(),
+            dataset=ckpt.dataset_fingerprint(self.dataset.manifest),
+            skipped_steps=self.skipped,
+            rng={str(self.dist.rank): ckpt.capture_rng()},
+        )
+        scheduler = {**cfgio.to_dict(self.cfg.schedule), "max_steps": self.cfg.train.max_steps}
+        path = ckpt.save_checkpoint(
+            self.checkpoints, self.model, self.optimizer, state, scheduler,
+            self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
+        self.last_saved = self.step
+        return path
+
+    @contextlib.contextmanager
+    def _signals_caught(self) -> Iterator[None]:
+        """SIGINT/SIGTERM ask for a stop after the current step; a second SIGINT stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.request_stop(signum)
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _progress(cfg: TrainConfig, step: int, dist: DistInfo) -> Any:
+    """A tqdm bar over the steps (with loss, tokens/s, MFU and its own ETA), or None."""
+    if not (cfg.logging.progress and dist.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.max_steps, initial=step, unit="step", dynamic_ncols=True)

@@ -1,0 +1,59 @@
+"""`kiln train`: arguments, the printed summary, --plot-schedule, --resume, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kiln.config import ConfigError
+from kiln.train.cli import register
+
+from .conftest import CONFIGS
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kiln")
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["train", *argv])
+
+
+def _run(*argv: str) -> int:
+    args = _parse(*argv)
+    return int(args.handler(args))
+
+
+def test_train_then_resume_from_the_command_line(
+    tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [
+        str(CONFIGS / "tiny.toml"), "--no-progress",
+        "--set", f"data.dataset={tiny_dataset}",
+        "--set", f"logging.run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    assert _run(*common, "--set", "train.max_steps=2") == 0
+    out = capsys.readouterr().out
+    assert "tokens per step = 2 × 4 × 32" in out and "step 2 (512 tokens)" in out
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "state.json").is_file()
+    assert _run(*common, "--set", "train.max_steps=3", "--resume") == 0
+    out = capsys.readouterr().out
+    assert "resuming at step 2" in out and "train.max_steps: 2 -> 3" in out
+    assert "step 3 (768 tokens)" in out
+
+
+def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "r"
+    argv = [str(CONFIGS / "demo.toml"), "--plot-schedule", "--set", f"logging.run_dir={run}"]
+    assert _run(*argv) == 0
+    assert (run / "report" / "lr_schedule.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_override_is_a_config_error_naming_the_key() -> None:
+    with pytest.raises(
+        ConfigError, match=r"--set optim\.lr='fast': optim\.lr = 'fast': expected float"
+    ):
+        _run(str(CONFIGS / "tiny.toml"), "--set", "optim.lr='fast'")
+    with pytest.raises(ConfigError, match=r"--set optim\.lrr=1: unknown config key optim\.lrr"):
+        _run(str(CONFIGS / "tiny.toml"), "--set", "optim.lrr=1")

@@ -1,0 +1,45 @@
+"""MFU and the device peak table; metrics.jsonl writing and truncation on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.train.metrics import MetricsLog, device_peak_flops, mfu, peak_flops
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA GeForce RTX 3090", None),
+        (None, None),
+    ],
+)
+def test_peak_table(name: str | None, peak: float | None) -> None:
+    assert peak_flops(name) == peak
+
+
+def test_mfu_is_achieved_over_peak_and_none_without_a_peak() -> None:
+    assert mfu(1000.0, 6 * 10**9, 989e12) == pytest.approx(6e12 / 989e12)
+    assert mfu(1000.0, 6 * 10**9, 312e12, n_devices=8) == pytest.approx(6e12 / (8 * 312e12))
+    assert mfu(1000.0, 6 * 10**9, None) is None
+    assert device_peak_flops(torch.device("cpu")) is None
+
+
+def test_metrics_log_writes_null_for_nonfinite_and_truncates(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "run" / "metrics.jsonl")
+    for step in range(1, 6):
+        log.write({"step": step, "loss": float("nan") if step == 2 else 1.0 / step})
+    with log.path.open("a") as handle:
+        handle.write('{"step": 6, "lo')  # a line torn by a crash
+    log.truncate_after(3)
+    records = log.read()
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["loss"] is None
