@@ -1,77 +1,184 @@
-"""`kiln demo`: the main job on the embedded TinyStories corpus (for now: train a tokenizer)."""
+"""`kiln demo`: the whole path on the embedded TinyStories corpus, on a CPU in minutes.
+
+Tokenizer -> token shards -> a small Llama-style model -> validation loss -> three sampled
+stories -> a report, all under one run folder.
+"""
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import sys
 import time
 from importlib import resources
 from pathlib import Path
 
 from kiln.errors import KilnError
 
+EOT = "<|endoftext|>"
+STORY_PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom and his dog")
 DEMO_SAMPLE = "Once upon a time, a little robot named Kiln baked 3 loaves of bread. It's warm!"
 
 
-def embedded_corpus(split: str = "train") -> Path:
-    """Path of the embedded TinyStories split (`train` or `valid`), gzip-compressed."""
-    path = resources.files("kiln") / "assets" / f"tinystories_{split}.txt.gz"
-    return Path(str(path))
+def asset(name: str) -> Path:
+    """Path of a file shipped in kiln/assets/."""
+    return Path(str(resources.files("kiln") / "assets" / name))
+
+
+def _step(n: int, text: str) -> None:
+    print(f"\n[{n}/5] {text}", flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Train a tokenizer on the embedded corpus, save it under a run folder and report on it."""
-    from kiln.tokenizer import train_bpe
-    from kiln.tokenizer.inspect import (
-        inspect_text,
-        longest_tokens,
-        render_html,
-        render_terminal,
-        write_html,
+    """Run the five stages and say where everything was written."""
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise KilnError(f"{out} already exists and is not empty; pass --force to replace it")
+    if out.exists() and args.force:
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    _step(1, f"training a {args.vocab_size:,}-token byte-level BPE tokenizer on TinyStories")
+    t0 = time.perf_counter()
+    tok = _train_tokenizer(out, args.vocab_size)
+    timings["tokenizer_s"] = time.perf_counter() - t0
+
+    _step(2, "tokenizing the stories into token shards (2% of stories held out for validation)")
+    t0 = time.perf_counter()
+    data_dir = _make_shards(out)
+    timings["shards_s"] = time.perf_counter() - t0
+
+    _step(3, "training a small Llama-style model on the CPU")
+    t0 = time.perf_counter()
+    trainer, result = _train_model(out, data_dir, args)
+    timings["train_s"] = time.perf_counter() - t0
+
+    _step(4, "sampling three stories")
+    t0 = time.perf_counter()
+    stories = _sample_stories(trainer.model, tok, args.story_tokens)
+    timings["sample_s"] = time.perf_counter() - t0
+    for prompt, story in stories:
+        print(f"\n--- {prompt!r}\n{story}")
+
+    _step(5, "writing the report")
+    timings["total_s"] = time.perf_counter() - t_start
+    report = _write_report(out, trainer, result, stories, timings)
+    print(
+        f"\nvalidation loss   {result.val_loss:.3f} nats/token after {result.step} steps "
+        f"({result.tokens:,} tokens)"
     )
+    print(f"time              {timings['total_s'] / 60:.1f} min")
+    print(f"results           {report}")
+    return 0
+
+
+def _train_tokenizer(out: Path, vocab_size: int):
+    from kiln.tokenizer import train_bpe
     from kiln.tokenizer.train import format_report
 
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    target = out / "tokenizer.json"
-    if target.exists() and not args.force:
-        raise KilnError(f"{target} already exists; pass --force to replace it")
-    corpus = embedded_corpus("train")
-    print(f"kiln demo: training a {args.vocab_size:,}-token byte-level BPE on {corpus.name}")
     tok = train_bpe(
-        [corpus],
-        args.vocab_size,
-        ["<|endoftext|>"],
-        pattern=args.pattern,
-        holdout=0.01,
-        progress=True,
+        [asset("tinystories_train.txt.gz")], vocab_size, [EOT], holdout=0.01, progress=True
     )
-    tok.save(target)
+    tok.save(out / "tokenizer.json")
     print(format_report(tok.metadata["training"]))
-    with gzip.open(embedded_corpus("valid"), "rt", encoding="utf-8") as handle:
-        valid = handle.read()
-    sample = inspect_text(tok, "sample", DEMO_SAMPLE)
-    held = inspect_text(tok, "tinystories_valid", valid)
-    print(f"validation split  {held.bytes_per_token:.3f} bytes/token ({held.n_tokens:,} tokens)")
-    print("sample            " + render_terminal(sample.pieces, color=sys.stdout.isatty()))
-    page = render_html([sample, held], longest_tokens(tok, 25), max_tokens=2000)
-    write_html(out / "report" / "tokens.html", page)
-    print(f"saved             {target}  (token view: {out / 'report' / 'tokens.html'})")
-    return 0
+    return tok
+
+
+def _make_shards(out: Path) -> Path:
+    from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
+
+    data_dir = out / "data"
+    manifest = tokenize_to_shards(
+        TokenizeConfig(
+            tokenizer=str(out / "tokenizer.json"),
+            inputs=(str(asset("tinystories_train.txt.gz")),),
+            out=str(data_dir),
+            val_fraction=0.02,
+            progress=True,
+        )
+    )
+    splits = {name: split.tokens for name, split in manifest.splits.items()}
+    print("  " + ", ".join(f"{name}: {n:,} tokens" for name, n in splits.items()))
+    return data_dir
+
+
+def _train_model(out: Path, data_dir: Path, args: argparse.Namespace):
+    from kiln.train.config import load_train_config
+    from kiln.train.trainer import Trainer
+
+    overrides = [f"data.dataset={data_dir}", f"logging.run_dir={out / 'train'}"]
+    if args.steps is not None:
+        overrides.append(f"train.max_steps={args.steps}")
+    cfg = load_train_config(asset("demo.toml"), [*overrides, *args.set])
+    trainer = Trainer(cfg, out / "train")
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    print(
+        f"  {n_params / 1e6:.1f}M parameters, {cfg.train.max_steps} steps of "
+        f"{cfg.batch.global_tokens:,} tokens ({cfg.train.dtype}, {cfg.train.device})"
+    )
+    result = trainer.run()
+    if result.interrupted:
+        raise KilnError(
+            f"training was interrupted; resume with: kiln train {out / 'train'} --resume"
+        )
+    if result.val_loss is None:
+        result.val_loss = trainer.evaluate()
+    return trainer, result
+
+
+def _sample_stories(model, tok, max_tokens: int) -> list[tuple[str, str]]:
+    from kiln.model.generate import generate
+
+    model.eval()
+    prompts = [tok.encode(p) for p in STORY_PROMPTS]
+    eot = tok.special_tokens[EOT]
+    outputs = generate(
+        model, prompts, max_tokens, temperature=0.8, top_k=50, seed=0, stop_tokens=[eot]
+    )
+    return [(p, p + tok.decode(ids)) for p, ids in zip(STORY_PROMPTS, outputs, strict=True)]
+
+
+def _write_report(out: Path, trainer, result, stories, timings) -> Path:
+    from kiln.io import write_json_atomic
+    from kiln.train.report import plot_losses
+
+    report_dir = out / "report"
+    summary = {
+        "val_loss": result.val_loss,
+        "steps": result.step,
+        "tokens": result.tokens,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+        "stories": [{"prompt": p, "text": s} for p, s in stories],
+    }
+    write_json_atomic(report_dir / "summary.json", summary)
+    try:
+        png = plot_losses(out / "train" / "metrics.jsonl", report_dir / "loss.png")
+        print(f"  loss curve        {png}")
+    except KilnError as exc:
+        print(f"  (no loss curve: {exc})")
+    return report_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kiln demo` to the CLI."""
     parser = sub.add_parser(
         "demo",
-        help="run the main job on the embedded TinyStories corpus",
-        description="Train a byte-level BPE tokenizer on the embedded TinyStories corpus, save it "
-        "under runs/, and report its training summary and compression.",
-        epilog="Example: kiln demo --vocab-size 4096 --out runs/demo",
+        help="run the whole path on the embedded TinyStories corpus",
+        description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
+        "shards, train a small Llama-style model on the CPU, report its validation loss and "
+        "sample three stories; everything goes under one run folder.",
+        epilog="Example: kiln demo --out runs/demo\n         kiln demo --steps 20   (a quick look)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
-    parser.add_argument("--pattern", default="gpt2", help="split pattern (default gpt2)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the demo config's)")
+    parser.add_argument("--story-tokens", type=int, default=160, help="tokens per story")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"
+    )
     parser.add_argument("--out", help="run folder (default runs/demo-<timestamp>)")
-    parser.add_argument("--force", action="store_true", help="replace an existing tokenizer")
+    parser.add_argument("--force", action="store_true", help="replace an existing run folder")
     parser.set_defaults(handler=run_demo)

@@ -1,0 +1,37 @@
+"""`kiln demo` runs the whole path (tokenizer, shards, training, samples, report) end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kiln.cli import main
+
+
+def test_demo_end_to_end_quick(tmp_path, capsys) -> None:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--out", str(out), "--steps", "2", "--vocab-size", "512",
+               "--story-tokens", "16", "--set", "batch.global_tokens=4096",
+               "--set", "batch.micro_batch=16", "--set", "eval.batches=2"])  # fmt: skip
+    assert rc == 0
+    for path in (
+        "tokenizer.json",
+        "data/manifest.json",
+        "train/metrics.jsonl",
+        "report/summary.json",
+    ):
+        assert (out / path).is_file(), path
+    assert list((out / "train" / "checkpoints").glob("step_*"))
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["val_loss"])
+    assert [s["text"].startswith(s["prompt"]) for s in summary["stories"]] == [True] * 3
+    printed = capsys.readouterr().out
+    assert "[5/5]" in printed and "validation loss" in printed and str(out) in printed
+
+
+def test_demo_refuses_to_overwrite(tmp_path) -> None:
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["demo", "--out", str(out)]) == 2
+    assert (out / "keep.txt").read_text() == "mine"
