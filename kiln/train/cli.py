@@ -1,4 +1,4 @@
-"""`kiln train CONFIG.toml [--set k=v ...] [--resume] [--plot-schedule]`."""
+"""`kiln train CONFIG.toml [...]`, `kiln export RUN --hf DIR [...]` and `kiln plot RUN`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,22 @@ from typing import Any
 
 EXAMPLES = """examples:
   kiln train configs/tiny.toml --set data.dataset=data/stories
-  kiln train configs/demo.toml --set optim.lr=1e-3 --set train.max_steps=2000
-  kiln train configs/demo.toml --resume            # continue from runs/demo/checkpoints/latest
-  kiln train configs/demo.toml --plot-schedule     # write runs/demo/report/lr_schedule.png"""
+  kiln train kiln/assets/demo.toml --set optim.lr=1e-3 --set train.max_steps=2000
+  kiln train kiln/assets/demo.toml --resume            # continue from runs/demo/checkpoints/latest
+  kiln train kiln/assets/demo.toml --plot-schedule     # write runs/demo/report/lr_schedule.png"""
+
+EXPORT_EXAMPLES = """examples:
+  kiln export runs/demo --hf exports/demo           # the latest checkpoint
+  kiln export runs/demo --hf exports/demo-500 --step 500 --force
+  kiln export runs/demo --hf exports/demo --tokenizer data/tok.json
+  kiln sample exports/demo --prompt 'Once upon a time'
+
+then, in Python:
+  AutoModelForCausalLM.from_pretrained("exports/demo"); AutoTokenizer.from_pretrained(...)"""
+
+PLOT_EXAMPLES = """examples:
+  kiln plot runs/demo             # runs/demo/report/{loss,lr,grad_norm,throughput}.png
+  kiln plot runs/demo-*/train     # several runs (e.g. those of kiln demo)"""
 
 
 def register(sub: Any) -> None:
@@ -43,6 +56,70 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_train)
+    _register_export(sub)
+    _register_plot(sub)
+
+
+def _register_export(sub: Any) -> None:
+    """Add `kiln export RUN --hf DIR`."""
+    from kiln.cli import add_subcommand
+
+    p = add_subcommand(
+        sub, "export", "export a run's checkpoint as a Hugging Face model directory",
+        EXPORT_EXAMPLES,
+    )  # fmt: skip
+    p.description = (
+        "Write a checkpoint of a training run (the latest by default) as a Hugging Face\n"
+        "directory: config.json + model.safetensors, and the run's tokenizer as tokenizer.json\n"
+        "(+ tokenizer_config.json, special_tokens_map.json) for AutoTokenizer. GPT-2 and\n"
+        "Llama-style models only. DIR is written whole or not at all."
+    )
+    p.add_argument("run", metavar="RUN", help="run directory (with checkpoints/)")
+    p.add_argument("--hf", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: latest)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer file (default: the one the run's dataset manifest names)",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing DIR")
+    p.set_defaults(handler=run_export)
+
+
+def _register_plot(sub: Any) -> None:
+    """Add `kiln plot RUN`."""
+    from kiln.cli import add_subcommand
+
+    p = add_subcommand(
+        sub, "plot", "plot a run's metrics as PNG curves and an HTML report", PLOT_EXAMPLES
+    )
+    p.description = (
+        "Read RUN/metrics.jsonl and write RUN/report/: loss.png (train and validation loss\n"
+        "against tokens), lr.png, grad_norm.png, throughput.png, and index.html (the curves,\n"
+        "the final metrics and the resolved config, in one self-contained page)."
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory (with metrics.jsonl)")
+    p.set_defaults(handler=run_plot)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Export a checkpoint and say what was written."""
+    from kiln.train.export import describe, export_hf
+
+    result = export_hf(args.run, args.hf, args.step, args.tokenizer, args.force)
+    print(describe(result))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """Plot each run and say where its report is."""
+    from kiln.train.report import plot_run
+
+    for run in args.runs:
+        report = plot_run(run)
+        names = ", ".join(p.name for p in report.pngs)
+        print(f"kiln plot: wrote {names} and {report.html}")
+    return 0
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -11,12 +11,16 @@ from kiln.config import ConfigError, to_toml
 from kiln.train.config import TrainConfig, load_train_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SHIPPED = {
+    "tiny": CONFIGS / "tiny.toml",
+    "demo": Path(__file__).resolve().parents[2] / "kiln" / "assets" / "demo.toml",
+}
 DATA = "data.dataset=some/dir"
 
 
 @pytest.mark.parametrize("name", ["tiny", "demo"])
 def test_shipped_configs_load_and_round_trip(name: str, tmp_path: Path) -> None:
-    cfg = load_train_config(CONFIGS / f"{name}.toml")
+    cfg = load_train_config(SHIPPED[name])
     path = tmp_path / "again.toml"
     path.write_text(cfg.to_toml())
     assert load_train_config(path) == cfg
