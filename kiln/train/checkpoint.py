@@ -5,6 +5,10 @@ A checkpoint directory holds `model.safetensors` (a tied head stored once), `opt
 loader cursor, RNG states per rank, the schedule, kiln version, git commit and the fully
 resolved config. It is written under a temporary name and renamed, so a reader never sees half
 of one; `checkpoints/latest` (a one-line text file) names the newest complete one.
+
+The files are the same whether one process, DDP or FSDP2 trained: a sharded model's tensors are
+gathered to rank 0 (torch.distributed.checkpoint.state_dict, full state dicts) before writing,
+and scattered again on load, so a checkpoint resumes on any world size.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln import __version__
 from kiln.data.manifest import Manifest
@@ -164,13 +174,17 @@ def git_commit() -> str | None:
 
 def save_checkpoint(
     checkpoints: Path,
-    model: nn.Module,
+    model: nn.Module | dict[str, torch.Tensor],
     optimizer: Any,
     state: TrainState,
     scheduler: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write the checkpoint of `state.step` atomically, point `latest` at it, prune old ones."""
+    """Write the checkpoint of `state.step` atomically, point `latest` at it, prune old ones.
+
+    `model` is the module or its `full_model_state`; `optimizer` the optimizer or its
+    `full_optimizer_state` (what a sharded run's main process passes after gathering).
+    """
     checkpoints.mkdir(parents=True, exist_ok=True)
     final = step_dir(checkpoints, state.step)
     tmp = checkpoints / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
@@ -178,12 +192,13 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        tensors, _ = unique_tensors(model)
+        tensors = model if isinstance(model, dict) else unique_tensors(model)[0]
         save_file(tensors, str(tmp / "model.safetensors"))
         umask = os.umask(0)  # safetensors creates the file 0600; give it a plain open()'s mode
         os.umask(umask)
         os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        optim_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+        torch.save(optim_state, tmp / "optimizer.pt")
         doc = {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
@@ -273,7 +288,14 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.device) -> None:
-    """Load the model weights and the optimizer state of checkpoint `path` in place."""
+    """Load the model weights and the optimizer state of checkpoint `path` in place.
+
+    A sharded (FSDP2) model takes the same full-tensor files: every rank reads them and keeps
+    its own shard, so a checkpoint loads on any world size.
+    """
+    if is_sharded(model):
+        _load_sharded(path, model, optimizer)
+        return
     _, aliases = unique_tensors(model)
     tensors = load_file(str(path / "model.safetensors"), device=str(device))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -287,6 +309,97 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as exc:
+        raise KilnError(f"{path}/optimizer.pt does not match the optimizer: {exc}") from None
+
+
+# ---- sharded (FSDP2) models ------------------------------------------------------------------
+# A sharded run gathers full tensors to rank 0 and writes the very files a single process
+# writes (model.safetensors, optimizer.pt), so any world size, or one process, can load them.
+# The price: rank 0 holds the whole model and optimizer state in CPU memory while saving
+# (about 12 bytes per parameter with AdamW), which suits the models kiln trains today (up to
+# ~1.5B parameters); much larger models would want torch.distributed.checkpoint's sharded
+# format instead (see docs/distributed.md).
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are DTensor shards (FSDP2)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """alias -> name for parameters registered under two names (a tied head -> the embedding)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def full_model_state(model: nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on the CPU of the main rank (each tied tensor once); {} elsewhere.
+
+    A collective for a sharded model: every rank must call it.
+    """
+    if not is_sharded(model):
+        return unique_tensors(model)[0] if is_main else {}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    tensors = get_model_state_dict(model, options=options)
+    aliases = tied_aliases(model)
+    return {k: v.contiguous() for k, v in tensors.items() if k not in aliases} if is_main else {}
+
+
+def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """`optimizer.state_dict()` with every DTensor gathered to a full CPU tensor.
+
+    A collective for a sharded model (every rank must call it, in the same order); the result
+    has the single-process layout, so `load_weights` reads it on any world size.
+    """
+    state = optimizer.state_dict()
+
+    def gathered(value: Any) -> Any:
+        return value.full_tensor().cpu() if isinstance(value, DTensor) else value
+
+    # New dicts: state_dict() shares the per-parameter dicts with the live optimizer.
+    return {
+        "optimizers": [
+            {
+                **o,
+                "state": {i: {k: gathered(v) for k, v in s.items()} for i, s in o["state"].items()},
+            }
+            for o in state["optimizers"]
+        ]
+    }
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
+    """Load full-tensor checkpoint files into a sharded model and its optimizer."""
+    tensors = load_file(str(path / "model.safetensors"), device="cpu")
+    for alias, name in tied_aliases(model).items():
+        if name in tensors:
+            tensors[alias] = tensors[name]
+    try:
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise KilnError(f"{path}/model.safetensors does not match the model: {exc}") from None
+    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    try:
+        for opt, saved in zip(optimizer, state["optimizers"], strict=True):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for index, values in saved["state"].items():
+                p = params[int(index)]
+                if not isinstance(p, DTensor):
+                    continue
+                for key, value in values.items():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                        # Every rank read the whole file: keep this rank's shard, no traffic.
+                        values[key] = distribute_tensor(
+                            value.to(p.device), p.device_mesh, p.placements, src_data_rank=None
+                        )
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, IndexError) as exc:
         raise KilnError(f"{path}/optimizer.pt does not match the optimizer: {exc}") from None
 
 

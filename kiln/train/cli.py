@@ -147,31 +147,38 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
     from kiln.train.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir, resume=args.resume)
+    # Under torchrun every rank runs this; only the main one speaks.
+    say = print if trainer.dist.is_main else _silent
     m, c = trainer.model_cfg, trainer.cfg
-    print(
+    say(
         f"kiln train: {m.num_params():,} parameters ({m.n_layer} layers, width {m.n_embd}) on "
         f"{trainer.device}; {c.batch.global_tokens:,} tokens per step = {trainer.accum} × "
-        f"{c.batch.micro_batch} × {c.data.seq_len}; {c.train.max_steps:,} steps; run in {run_dir}"
+        f"{c.batch.micro_batch} × {c.data.seq_len} × {trainer.dist.world_size} rank(s); "
+        f"{c.train.max_steps:,} steps; run in {run_dir}"
     )
     if args.resume:
-        print(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
+        say(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
         for note in trainer.notes:
-            print(f"kiln train: changed since the checkpoint: {note}")
+            say(f"kiln train: note: {note}")
     start = time.perf_counter()
     result = trainer.run()
     elapsed = time.perf_counter() - start
     if result.interrupted:
         again = shlex.join(["kiln", "train", args.config, *_set_args(args.set), "--resume"])
-        print(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
-        print(f"kiln train: continue with: {again}")
+        say(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
+        say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"
     val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     last = f"loss {result.losses[-1]:.4f}" if result.losses else "nothing to do"
-    print(
+    say(
         f"kiln train: step {result.step:,} ({result.tokens:,} tokens) in {elapsed:.1f} s: "
         f"{last}{val}; checkpoint {result.checkpoint}; metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print's stand-in on ranks other than the main one."""
 
 
 def _set_args(assignments: list[str]) -> list[str]:

@@ -84,7 +84,7 @@ class BatchConfig:
 
 @dataclass
 class TrainSection:
-    """How long and how: steps, clipping, precision, compile, device, seed, non-finite policy."""
+    """How long and how: steps, clipping, precision, compile, device, seed, parallelism."""
 
     max_steps: int = 1000
     grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
@@ -93,10 +93,18 @@ class TrainSection:
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # model initialisation and any sampling in training (dropout)
     skip_nonfinite: bool = False  # skip a step with a non-finite loss/gradient instead of stopping
+    # Data parallelism under torchrun: "ddp" (every rank holds the model), "fsdp" (FSDP2: each
+    # rank holds a shard), "auto" (ddp), "none" (one process only). Ignored with one process.
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        modes = ("auto", "none", "ddp", "fsdp")
+        _check(
+            self.parallel in modes,
+            f"train.parallel must be one of {', '.join(modes)}; got {self.parallel!r}",
+        )
 
 
 @dataclass

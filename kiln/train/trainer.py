@@ -9,14 +9,22 @@ step) is in a checkpoint, and the lr is a pure function of the step, so a resume
 same steps as an uninterrupted one (bit for bit on the CPU).
 
 Parallelism is applied from outside the model (torchtitan style): `parallelize(model, cfg,
-dist)` returns the module to train (DDP/FSDP wrapping and compile go there). The loop only asks
-the wrapped module for `no_sync()` on the non-final micro-steps when it offers it (DDP does).
+dist)` returns the module to train (DDP/FSDP wrapping and compile go there; see distributed.py).
+The loop only asks the wrapped module to skip gradient synchronisation on the non-final
+micro-steps when it can (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`).
+
+Under torchrun every rank runs this same loop on its slice of each global batch. The numbers a
+user sees are global: the logged loss is the mean over ranks, the gradient norm is that of the
+whole (synchronised or sharded) gradient, the val loss is over one fixed val set split across
+ranks. Every rank takes part in each checkpoint (sharded tensors and per-rank RNG states are
+gathered to rank 0); only rank 0 writes files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import random
 import signal
 import threading
 import time
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,7 +43,9 @@ from kiln.errors import KilnError
 from kiln.io import atomic_write
 from kiln.model import ModelConfig, Transformer
 from kiln.train import checkpoint as ckpt
+from kiln.train import distributed
 from kiln.train.config import TrainConfig
+from kiln.train.distributed import DistInfo
 from kiln.train.metrics import MetricsLog, device_peak_flops, mfu
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
@@ -44,26 +55,9 @@ class NonFiniteError(KilnError):
     """The loss or gradient norm of a step was NaN or infinite."""
 
 
-@dataclass(frozen=True)
-class DistInfo:
-    """This process's place among the training processes (one process: rank 0 of 1)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        """Whether this process writes logs, metrics and checkpoints."""
-        return self.rank == 0
-
+__all__ = ["DistInfo", "NonFiniteError", "RunResult", "Trainer", "accumulation_steps"]
 
 Parallelize = Callable[[nn.Module, TrainConfig, DistInfo], nn.Module]
-
-
-def default_parallelize(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
-    """The module to train on one process: the model, compiled when train.compile is set."""
-    return torch.compile(model) if cfg.train.compile else model
 
 
 def accumulation_steps(global_tokens: int, world_size: int, micro_batch: int, seq_len: int) -> int:
@@ -111,14 +105,16 @@ class Trainer:
         run_dir: str | Path,
         resume: bool = False,
         dist: DistInfo | None = None,
-        parallelize: Parallelize = default_parallelize,
+        parallelize: Parallelize = distributed.parallelize,
         on_step: Callable[[Trainer, int, float], None] | None = None,
     ) -> None:
-        self.dist = dist or DistInfo()
+        # No DistInfo given: torchrun's environment says (rank 0 of 1 without torchrun).
+        self.dist = dist or DistInfo.from_env()
         self.run_dir = Path(run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.on_step = on_step
         self.device = resolve_device(cfg.train.device, self.dist)
+        distributed.join_from_env(self.device, self.dist)
         self.dataset = Dataset.open(cfg.data.dataset)
         self.model_cfg: ModelConfig = cfg.model_config(self.dataset.vocab_size)
         self.cfg = cfg.resolved(self.model_cfg)
@@ -137,6 +133,7 @@ class Trainer:
         # optimizer over the parameters as they now are, then load a checkpoint into both.
         self.train_model = parallelize(self.model, self.cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        _seed_rank(cfg.train.seed, self.dist.rank)
         self.step, self.tokens, self.skipped = 0, 0, 0
         cursor = LoaderCursor()
         if saved is not None:
@@ -146,9 +143,14 @@ class Trainer:
             self.skipped = state.get("skipped_steps", 0)
             cursor = LoaderCursor.from_dict(state["cursor"])
             rng = state["rng"].get(str(self.dist.rank))
-            if rng is None:
-                raise KilnError(f"{path}: no RNG state saved for rank {self.dist.rank}")
-            ckpt.restore_rng(rng)
+            if rng is not None:
+                ckpt.restore_rng(rng)
+            else:  # resumed on more ranks than saved it: a fresh, distinct stream for this one
+                _seed_rank(cfg.train.seed + 1_000_003 * self.step, self.dist.rank)
+                self.notes.append(
+                    f"rank {self.dist.rank}: no RNG state in {path.name} (saved by "
+                    f"{len(state['rng'])} rank(s)); reseeded"
+                )
         self.last_saved = self.step if saved is not None else -1
         B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.dist.world_size
         self.loader = Loader(
@@ -195,28 +197,49 @@ class Trainer:
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed validation batches: the first `eval.batches` of the val stream."""
+    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's part of the fixed val set, as (inputs, targets, windows that count).
+
+        The val set is the first `eval.batches` batches of `micro_batch` windows of the val
+        stream whatever the world size, so val losses compare across world sizes. Rank r takes
+        the r-th of W near-equal slices and reads it in as many forward passes as the largest
+        slice needs: every rank runs the same number of passes (FSDP gathers weights in each),
+        and a pass with nothing left for this rank reuses a window with weight 0.
+        """
         T, B, W = self.cfg.data.seq_len, self.cfg.batch.micro_batch, self.dist.world_size
         split = self.dataset.split("val")  # a missing split is a clear KilnError
-        per_rank = min(B, (split.n_tokens - 1) // T // W)  # a small val split: smaller batches
-        if per_rank < 1:
+        size = min(B, (split.n_tokens - 1) // T)  # a small val split: smaller batches
+        if size < 1:
             raise KilnError(
                 f"{self.dataset.root}: the val split has {split.n_tokens} tokens, fewer than "
-                f"{W} window(s) of {T}+1; use more val documents or set eval.batches = 0"
+                f"one window of {T}+1; use more val documents or set eval.batches = 0"
             )
-        size = per_rank * W
-        loader = Loader(
-            self.dataset, "val", T, size, self.cfg.data.seed, None, self.dist.rank,
-            self.dist.world_size,
-        )  # fmt: skip
-        return [loader.next_batch().to_torch(self.device) for _ in range(self.cfg.eval.batches)]
+        loader = Loader(self.dataset, "val", T, size, self.cfg.data.seed)
+        batches = [loader.next_batch() for _ in range(self.cfg.eval.batches)]
+        x = torch.from_numpy(np.concatenate([b.inputs for b in batches]))  # (N, T)
+        y = torch.from_numpy(np.concatenate([b.targets for b in batches]))  # (N, T)
+        mine = np.array_split(np.arange(len(x)), W)[self.dist.rank]
+        passes = max(1, math.ceil(math.ceil(len(x) / W) / B))
+        out = []
+        for rows in np.array_split(mine, passes):
+            weight = len(rows)
+            rows = rows if weight else np.array([0])  # nothing left: a pass that counts 0
+            out.append((x[rows].to(self.device), y[rows].to(self.device), weight))
+        self.val_windows = len(x)
+        return out
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Stop after the current step, saving a checkpoint (what SIGINT and SIGTERM do)."""
         self._stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was asked to stop: all must stop at the same step, or they hang."""
+        asked = distributed.any_rank(self._stop_signal is not None, self.dist, self.device)
+        if asked and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM  # another rank's signal (torchrun forwards TERM)
+        return asked
 
     def run(self) -> RunResult:
         """Train until train.max_steps or a stop request; returns what this call did."""
@@ -225,7 +248,7 @@ class Trainer:
         bar = _progress(cfg, self.step, self.dist)
         window_tokens, window_time = 0, 0.0
         with self._signals_caught(), contextlib.closing(bar) if bar else contextlib.nullcontext():
-            while self.step < cfg.train.max_steps and self._stop_signal is None:
+            while self.step < cfg.train.max_steps and not self._stop_requested():
                 t0 = time.perf_counter()
                 loss, grad_norm, lr = self._train_step()
                 window_time += time.perf_counter() - t0
@@ -268,12 +291,15 @@ class Trainer:
                 loss = self.train_model(x, y)
             (loss / self.accum).backward()
             total += loss.detach()
-        loss_value = (total / self.accum).item()
+        loss_value = distributed.mean_across_ranks(total / self.accum, self.dist).item()
         params = [p for p in self.model.parameters() if p.grad is not None]
+        # clip_grad_norm_ in two steps: a sharded gradient's norm is a DTensor whose global
+        # value full_tensor() reduces over the ranks; clipping then scales every shard alike.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
         if cfg.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, norm)
         grad_norm = float(norm)
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -301,7 +327,11 @@ class Trainer:
         )
 
     def _grad_sync(self, last_micro: bool) -> contextlib.AbstractContextManager[Any]:
-        """Skip gradient all-reduce on non-final micro-steps when the module supports it (DDP)."""
+        """Synchronise gradients on the last micro-step only, where the module can (DDP, FSDP2)."""
+        set_sync = getattr(self.train_model, "set_requires_gradient_sync", None)
+        if set_sync is not None:  # FSDP2: a flag read by the next backward
+            set_sync(last_micro)
+            return contextlib.nullcontext()
         no_sync = getattr(self.train_model, "no_sync", None)
         return contextlib.nullcontext() if last_micro or no_sync is None else no_sync()
 
@@ -312,16 +342,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the fixed val batches (None when eval.batches is 0)."""
+        """Mean loss over the fixed val set, all ranks together (None when eval.batches is 0)."""
         if not self.val_batches:
             return None
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        for x, y in self.val_batches:
+        for x, y, weight in self.val_batches:  # every window has T targets: weigh by windows
             with self._autocast():
-                total += self.model(x, y)
+                total += self.model(x, y).float() * weight
         self.model.train()
-        return (total / len(self.val_batches)).item()
+        return (distributed.sum_across_ranks(total, self.dist) / self.val_windows).item()
 
     def _maybe_eval(self, last: bool) -> dict[str, float]:
         """{"val_loss": …} at eval steps (every eval.every steps, and the last), else {}."""
@@ -344,12 +374,26 @@ class Trainer:
                 shown["val"] = f"{record['val_loss']:.4f}"
             bar.set_postfix(shown, refresh=False)
 
-    def save(self) -> Path | None:
-        """Checkpoint the current step (once per step; only the main process writes)."""
-        if not self.dist.is_main:
-            return None
+    def save(self) -> Path:
+        """Checkpoint the current step (once per step). Every rank takes part; rank 0 writes."""
         if self.step == self.last_saved:
             return ckpt.step_dir(self.checkpoints, self.step)
+        # Collectives first, in the same order on every rank; then rank 0 writes alone.
+        tensors = ckpt.full_model_state(self.model, self.dist.is_main)
+        optim_state = ckpt.full_optimizer_state(self.optimizer)
+        rngs = distributed.gather_to_main(ckpt.capture_rng(), self.dist)
+        path = ckpt.step_dir(self.checkpoints, self.step)
+        if self.dist.is_main:
+            assert rngs is not None
+            path = self._write_checkpoint(tensors, optim_state, rngs)
+        distributed.barrier(self.dist)  # nobody goes on (or reads `latest`) before it exists
+        self.last_saved = self.step
+        return path
+
+    def _write_checkpoint(
+        self, tensors: dict[str, torch.Tensor], optim_state: dict[str, Any], rngs: list[Any]
+    ) -> Path:
+        """Write the gathered state as the checkpoint of this step (the main process only)."""
         state = ckpt.TrainState(
             step=self.step,
             tokens=self.tokens,
@@ -357,15 +401,13 @@ class Trainer:
             config=self.cfg.to_dict(),
             dataset=ckpt.dataset_fingerprint(self.dataset.manifest),
             skipped_steps=self.skipped,
-            rng={str(self.dist.rank): ckpt.capture_rng()},
+            rng={str(rank): rng for rank, rng in enumerate(rngs)},
         )
         scheduler = {**cfgio.to_dict(self.cfg.schedule), "max_steps": self.cfg.train.max_steps}
-        path = ckpt.save_checkpoint(
-            self.checkpoints, self.model, self.optimizer, state, scheduler,
+        return ckpt.save_checkpoint(
+            self.checkpoints, tensors, optim_state, state, scheduler,
             self.cfg.checkpoint.keep_last,
         )  # fmt: skip
-        self.last_saved = self.step
-        return path
 
     @contextlib.contextmanager
     def _signals_caught(self) -> Iterator[None]:
@@ -385,6 +427,19 @@ class Trainer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def _seed_rank(seed: int, rank: int) -> None:
+    """Seed Python and NumPy (and torch past rank 0) for this rank: one state per rank.
+
+    Rank 0's torch stream goes on from the model's initialisation, as with one process; the
+    other ranks get their own, so dropout masks differ between ranks. Seeding Python and NumPy
+    too makes every saved RNG state a function of the config, not of the process.
+    """
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    if rank:
+        torch.manual_seed(seed + rank)
 
 
 def _progress(cfg: TrainConfig, step: int, dist: DistInfo) -> Any:

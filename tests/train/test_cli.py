@@ -45,7 +45,12 @@ def test_train_then_resume_from_the_command_line(
 def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "r"
-    argv = [str(CONFIGS.parent / "kiln" / "assets" / "demo.toml"), "--plot-schedule", "--set", f"logging.run_dir={run}"]
+    argv = [
+        str(CONFIGS.parent / "kiln" / "assets" / "demo.toml"),
+        "--plot-schedule",
+        "--set",
+        f"logging.run_dir={run}",
+    ]
     assert _run(*argv) == 0
     assert (run / "report" / "lr_schedule.png").read_bytes()[:4] == b"\x89PNG"
 

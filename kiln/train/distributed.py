@@ -1,0 +1,212 @@
+"""Many processes: the process group from torchrun's environment, and how the model is parallelised.
+
+torchrun starts one process per device and tells each its place in RANK, WORLD_SIZE and
+LOCAL_RANK (plus MASTER_ADDR/MASTER_PORT for the rendezvous). `process_group_from_env` joins
+the group (nccl on CUDA, gloo on the CPU); `parallelize` wraps the model from outside, in
+torchtitan's order: compile each block, then data parallelism over the whole model —
+DistributedDataParallel ("ddp", every rank holds all weights) or FSDP2 ("fsdp", `fully_shard`
+per block then the root on a 1-D DeviceMesh, every rank holds a 1/world_size shard).
+
+The small collectives the loop needs (mean of a scalar across ranks, gathering per-rank objects,
+agreeing on a stop) are here too, so trainer.py reads the same with one process or many.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from kiln.errors import KilnError
+from kiln.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place among the training processes (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs, metrics and checkpoints."""
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> DistInfo:
+        """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (rank 0 of 1 when unset)."""
+        values = {}
+        for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", None)):
+            text = os.environ.get(key)
+            try:
+                values[key] = default if text is None else int(text)
+            except ValueError:
+                raise KilnError(f"environment variable {key}={text!r} is not an integer") from None
+        local = values["LOCAL_RANK"] if values["LOCAL_RANK"] is not None else values["RANK"]
+        info = cls(values["RANK"], values["WORLD_SIZE"], local)
+        if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+            raise KilnError(f"RANK={info.rank} is not in [0, WORLD_SIZE={info.world_size})")
+        return info
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl between GPUs, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(dist: DistInfo, device: torch.device, timeout_s: float = 1800) -> None:
+    """Join the process group torchrun set up (env:// rendezvous); a no-op for one process."""
+    if dist.world_size == 1 or tdist.is_initialized():
+        return
+    if not tdist.is_available():
+        raise KilnError("this torch build has no torch.distributed; train with one process")
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise KilnError(
+                f"WORLD_SIZE={dist.world_size} but {key} is not set: launch with torchrun "
+                "(see docs/distributed.md)"
+            )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl and all_gather_object use the current device
+    tdist.init_process_group(
+        backend=backend_for(device),
+        rank=dist.rank,
+        world_size=dist.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def destroy_process_group() -> None:
+    """Leave the process group, if this process is in one."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def join_from_env(device: torch.device, dist: DistInfo) -> None:
+    """Join torchrun's group for the life of the process (left again at exit)."""
+    if dist.world_size > 1 and not tdist.is_initialized():
+        init_process_group(dist, device)
+        atexit.register(destroy_process_group)
+
+
+# ---- parallelising the model ---------------------------------------------------------------
+
+
+def parallel_mode(cfg: TrainConfig, dist: DistInfo) -> str:
+    """The data parallelism used: "none" on one process, else train.parallel ("auto": ddp)."""
+    if dist.world_size == 1:
+        return "none"
+    mode = cfg.train.parallel
+    if mode == "none":
+        raise KilnError(
+            f"train.parallel = 'none' with {dist.world_size} processes would train "
+            f"{dist.world_size} unrelated models; use 'ddp' or 'fsdp' (or 'auto')"
+        )
+    return "ddp" if mode == "auto" else mode
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
+    """The module to train: `model` compiled (if asked) and wrapped for data parallelism.
+
+    With one process this is the single-process path (the whole model compiled when
+    train.compile is set). With several, compile goes per block first (so FSDP's hooks and
+    DDP's bucketing stay outside the compiled graphs, as torchtitan does), then DDP or FSDP2.
+    FSDP2 changes `model` in place (its parameters become DTensor shards) and returns it.
+    """
+    mode = parallel_mode(cfg, dist)
+    if mode == "none":
+        return torch.compile(model) if cfg.train.compile else model
+    if cfg.train.compile:
+        for block in _blocks(model):
+            block.compile()  # in place: parameter names and the module tree are unchanged
+    if mode == "ddp":
+        return apply_ddp(model, dist)
+    return apply_fsdp(model, dist)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a kiln Transformer (the units FSDP shards and compile traces)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise KilnError(f"{type(model).__name__} has no `blocks` ModuleList to parallelise")
+    return list(blocks)
+
+
+def apply_ddp(model: nn.Module, dist: DistInfo) -> nn.Module:
+    """DistributedDataParallel over all ranks (gradients averaged in buckets during backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def apply_fsdp(model: nn.Module, dist: DistInfo) -> nn.Module:
+    """FSDP2: each block its own shard group (gathered only while it runs), then the root.
+
+    The root group holds the embeddings, final norm and head; a tied head is the embedding's own
+    Parameter, so both live in that one group and stay tied.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.world_size,), mesh_dim_names=("dp",))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+# ---- collectives the loop needs --------------------------------------------------------------
+
+
+def mean_across_ranks(value: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """The mean of a tensor over ranks (gloo has no AVG: sum, then divide)."""
+    if dist.world_size == 1:
+        return value
+    out = value.detach().clone()
+    tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+    return out / dist.world_size
+
+
+def sum_across_ranks(value: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """The sum of a tensor over ranks."""
+    if dist.world_size == 1:
+        return value
+    out = value.detach().clone()
+    tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+    return out
+
+
+def any_rank(flag: bool, dist: DistInfo, device: torch.device) -> bool:
+    """True on every rank when it is true on any (e.g. a stop signal seen by one process)."""
+    if dist.world_size == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def gather_to_main(obj: Any, dist: DistInfo) -> list[Any] | None:
+    """Every rank's `obj` (picklable) as a list on rank 0; None on the others."""
+    if dist.world_size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * dist.world_size if dist.is_main else None
+    tdist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier(dist: DistInfo) -> None:
+    """Wait for every rank (e.g. until rank 0 has written a checkpoint)."""
+    if dist.world_size > 1:
+        tdist.barrier()
