@@ -109,14 +109,17 @@ class TrainSection:
 
 @dataclass
 class EvalConfig:
-    """Validation loss every `every` steps (0: only at the end) on `batches` fixed val batches."""
+    """Val loss every `every` steps (0: at the end) on fixed val batches; samples at those steps."""
 
     every: int = 100
     batches: int = 8
+    sample_prompts: list[str] = field(default_factory=lambda: ["Once upon a time", "The"])
+    sample_tokens: int = 48  # new tokens per prompt, into samples.jsonl; 0: no samples
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
         _check(self.batches >= 0, f"eval.batches must be >= 0 (0: no eval), got {self.batches}")
+        _check(self.sample_tokens >= 0, f"eval.sample_tokens must be >= 0: {self.sample_tokens}")
 
 
 @dataclass
@@ -133,11 +136,14 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metrics every `every` steps into `run_dir`/metrics.jsonl; a progress bar when `progress`."""
+    """Metrics every `every` steps to `run_dir`/metrics.jsonl (and TensorBoard, W&B if turned on)."""
 
     every: int = 10
     run_dir: str = ""  # "": runs/<config file name>
     progress: bool = True
+    tensorboard: bool = False  # needs `pip install tensorboard`
+    wandb: bool = False  # offline mode, under `run_dir`/wandb; needs `pip install wandb`
+    wandb_project: str = "kiln"
 
     def __post_init__(self) -> None:
         _check(self.every >= 1, f"logging.every must be >= 1, got {self.every}")

@@ -28,6 +28,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +47,10 @@ from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
 from kiln.train.config import TrainConfig
 from kiln.train.distributed import DistInfo
+from kiln.train.loggers import Loggers, check_backends
 from kiln.train.metrics import MetricsLog, device_peak_flops, mfu
 from kiln.train.optim import build_optimizer, set_lr
+from kiln.train.samples import ContinuationSampler, format_sample
 from kiln.train.schedule import lr_multiplier
 
 
@@ -122,6 +125,7 @@ class Trainer:
             cfg.batch.global_tokens, self.dist.world_size, cfg.batch.micro_batch, cfg.data.seq_len
         )
         self.notes: list[str] = []  # what a resume changed, for the CLI to print
+        check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
         saved = self._find_resume_point(resume)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
@@ -158,11 +162,15 @@ class Trainer:
         )
         self.val_batches = self._val_batches() if cfg.eval.batches > 0 else []
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.samples = MetricsLog(self.run_dir / "samples.jsonl")  # {"step", "prompt", "text"}
+        self.sampler = self._build_sampler()
+        self.loggers = Loggers([])  # the TensorBoard / W&B backends, opened by run() on rank 0
         self.flops_per_token = self.model_cfg.flops_per_token(T)
         self.peak = device_peak_flops(self.device)
         self._stop_signal: int | None = None
         if self.dist.is_main:
             self.metrics.truncate_after(self.step)
+            self.samples.truncate_after(self.step)
             with atomic_write(self.run_dir / "config.toml") as handle:
                 handle.write(self.cfg.to_toml())
 
@@ -196,6 +204,27 @@ class Trainer:
             )
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
+
+    def _build_sampler(self) -> ContinuationSampler | None:
+        """The eval-step sampler on rank 0, or None (sampling off, FSDP, or no tokenizer).
+
+        Rank 0 decodes alone with the unwrapped model, which needs every weight on rank 0: with
+        FSDP each rank holds a shard (and every rank would have to join each decode step's
+        forward), so samples are skipped there, with one warning.
+        """
+        ev = self.cfg.eval
+        if not self.dist.is_main or ev.sample_tokens <= 0 or not ev.sample_prompts:
+            return None
+        if distributed.parallel_mode(self.cfg, self.dist) == "fsdp":
+            warnings.warn(
+                "eval samples skipped: not supported with train.parallel = 'fsdp' (sample from "
+                "a checkpoint instead, or set eval.sample_tokens = 0 to silence this)",
+                stacklevel=3,
+            )
+            return None
+        return ContinuationSampler.for_dataset(
+            self.dataset, ev.sample_prompts, ev.sample_tokens, self.cfg.train.seed
+        )
 
     def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """This rank's part of the fixed val set, as (inputs, targets, windows that count).
@@ -247,7 +276,13 @@ class Trainer:
         result = RunResult(step=self.step, tokens=self.tokens)
         bar = _progress(cfg, self.step, self.dist)
         window_tokens, window_time = 0, 0.0
-        with self._signals_caught(), contextlib.closing(bar) if bar else contextlib.nullcontext():
+        if self.dist.is_main:
+            self.loggers = Loggers.open(cfg, self.run_dir, self.step)
+        with (
+            self._signals_caught(),
+            contextlib.closing(bar) if bar else contextlib.nullcontext(),
+            contextlib.closing(self.loggers),
+        ):
             while self.step < cfg.train.max_steps and not self._stop_requested():
                 t0 = time.perf_counter()
                 loss, grad_norm, lr = self._train_step()
@@ -354,18 +389,38 @@ class Trainer:
         return (distributed.sum_across_ranks(total, self.dist) / self.val_windows).item()
 
     def _maybe_eval(self, last: bool) -> dict[str, float]:
-        """{"val_loss": …} at eval steps (every eval.every steps, and the last), else {}."""
+        """{"val_loss": …} at eval steps (every eval.every steps, and the last), else {}.
+
+        Rank 0 also writes the sampled continuations of these steps (see `sample`).
+        """
         every = self.cfg.eval.every
-        if not self.val_batches or not (last or (every and self.step % every == 0)):
+        if not (last or (every and self.step % every == 0)):
             return {}
+        self.sample()
         value = self.evaluate()
         return {} if value is None else {"val_loss": value}
+
+    def sample(self) -> list[dict[str, Any]]:
+        """Rank 0: sampled continuations of the eval prompts, to samples.jsonl and the console.
+
+        Drawn from a generator of their own with the global RNG state forked around them, so
+        they change neither the training steps nor exact resume.
+        """
+        if self.sampler is None:
+            return []
+        records = self.sampler.sample(self.model, self.step)
+        for record in records:
+            self.samples.write(record)
+            tqdm_write(format_sample(record))
+        self.loggers.log_samples(self.step, records)
+        return records
 
     def _log(self, record: dict[str, Any], bar: Any) -> None:
         """Append the record to metrics.jsonl and show it on the progress bar."""
         if not self.dist.is_main:
             return
         self.metrics.write(record)
+        self.loggers.log(record)
         if bar is not None:
             shown = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
             if record["mfu"] is not None:
@@ -440,6 +495,13 @@ def _seed_rank(seed: int, rank: int) -> None:
     np.random.seed((seed + rank) % 2**32)
     if rank:
         torch.manual_seed(seed + rank)
+
+
+def tqdm_write(line: str) -> None:
+    """Print a line without breaking a progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(line)
 
 
 def _progress(cfg: TrainConfig, step: int, dist: DistInfo) -> Any:
