@@ -184,7 +184,6 @@ def test_fsdp_checkpoint_continues_in_one_process(
 
 
 @needs_gloo
-@pytest.mark.slow
 def test_fsdp_two_process_resume_equals_an_uninterrupted_run(
     fsdp_run: Path, tiny_dataset: Path, tmp_path: Path
 ) -> None:
