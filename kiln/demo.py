@@ -10,8 +10,14 @@ import argparse
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:  # torch-heavy modules are imported inside the steps that need them
+    from kiln.model import Transformer
+    from kiln.tokenizer import Tokenizer
+    from kiln.train.trainer import RunResult, Trainer
 
 EOT = "<|endoftext|>"
 STORY_PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom and his dog")
@@ -74,7 +80,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_tokenizer(out: Path, vocab_size: int):
+def _train_tokenizer(out: Path, vocab_size: int) -> Tokenizer:
     from kiln.tokenizer import train_bpe
     from kiln.tokenizer.train import format_report
 
@@ -104,7 +110,7 @@ def _make_shards(out: Path) -> Path:
     return data_dir
 
 
-def _train_model(out: Path, data_dir: Path, args: argparse.Namespace):
+def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[Trainer, RunResult]:
     from kiln.train.config import load_train_config
     from kiln.train.trainer import Trainer
 
@@ -128,7 +134,7 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace):
     return trainer, result
 
 
-def _sample_stories(model, tok, max_tokens: int) -> list[tuple[str, str]]:
+def _sample_stories(model: Transformer, tok: Tokenizer, max_tokens: int) -> list[tuple[str, str]]:
     from kiln.model.generate import generate
 
     model.eval()
@@ -140,7 +146,13 @@ def _sample_stories(model, tok, max_tokens: int) -> list[tuple[str, str]]:
     return [(p, p + tok.decode(ids)) for p, ids in zip(STORY_PROMPTS, outputs, strict=True)]
 
 
-def _write_report(out: Path, trainer, result, stories, timings) -> Path:
+def _write_report(
+    out: Path,
+    trainer: Trainer,
+    result: RunResult,
+    stories: list[tuple[str, str]],
+    timings: dict[str, float],
+) -> Path:
     from kiln.io import write_json_atomic
     from kiln.train.report import plot_losses
 

@@ -105,7 +105,6 @@ class Tokenizer:
             key = (ids[0], ids[1])
             if key not in self._ranks:
                 self._ranks[key] = (rank, ids[2])  # type: ignore[assignment]
-        self._special_bytes_ids = special_ids
 
     def _make_native(self, backend: Backend) -> Any:
         if backend == "reference" or (backend == "auto" and NATIVE is None):

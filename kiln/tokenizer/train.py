@@ -115,8 +115,19 @@ class _State:
     def params_path(self) -> Path:
         return self.dir / "params.json"
 
-    def save_counts(self, params: dict[str, Any], words: list[bytes], counts: list[int]) -> None:
+    def save_counts(
+        self,
+        params: dict[str, Any],
+        words: list[bytes],
+        counts: list[int],
+        stats: dict[str, Any],
+        held: list[bytes],
+    ) -> None:
+        """Save the counting phase's result; params.json, written last, marks it complete."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            self.dir / "count_stats.json", {**stats, "holdout_hex": [h.hex() for h in held]}
+        )
         lengths = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
         with atomic_write(self.dir / "counts.npz", "wb") as handle:
             np.savez(
@@ -128,7 +139,10 @@ class _State:
         self.save_merges([])
         write_json_atomic(self.params_path(), params)
 
-    def load(self, params: dict[str, Any]) -> tuple[list[bytes], list[int], list[tuple[int, int]]]:
+    def load(
+        self, params: dict[str, Any]
+    ) -> tuple[list[bytes], list[int], dict[str, Any], list[bytes], list[tuple[int, int]]]:
+        """Counts, count stats, held-out slice and merges so far, if saved with these params."""
         saved = json.loads(self.params_path().read_text())
         if saved != params:
             diff = sorted(k for k in set(saved) | set(params) if saved.get(k) != params.get(k))
@@ -142,7 +156,9 @@ class _State:
         starts = ends - lengths
         words = [blob[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
         merges = [tuple(m) for m in json.loads((self.dir / "merges.json").read_text())]
-        return words, counts.tolist(), merges  # type: ignore[return-value]
+        stats = json.loads((self.dir / "count_stats.json").read_text())
+        held = [bytes.fromhex(h) for h in stats.pop("holdout_hex", [])]
+        return words, counts.tolist(), stats, held, merges  # type: ignore[return-value]
 
     def save_merges(self, merges: list[tuple[int, int]]) -> None:
         write_json_atomic(self.dir / "merges.json", [list(m) for m in merges], indent=None)
@@ -323,9 +339,7 @@ def train_bpe(
     held: list[bytes] = []
     if state is not None and resume and state.exists():
         t0 = time.perf_counter()
-        words, counts, merges = state.load(params)
-        count_stats = json.loads((state.dir / "count_stats.json").read_text())
-        held = [bytes.fromhex(h) for h in count_stats.pop("holdout_hex", [])]
+        words, counts, count_stats, held, merges = state.load(params)
         timings["load_state_s"] = time.perf_counter() - t0
     else:
         t0 = time.perf_counter()
@@ -344,12 +358,7 @@ def train_bpe(
         )
         timings["count_s"] = time.perf_counter() - t0
         if state is not None:
-            state.dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(
-                state.dir / "count_stats.json",
-                {**count_stats, "holdout_hex": [h.hex() for h in held]},
-            )
-            state.save_counts(params, words, counts)
+            state.save_counts(params, words, counts, count_stats, held)
     t0 = time.perf_counter()
     engine = (NATIVE.MergeEngine if native else ReferenceMergeEngine)(words, counts)
     for a, b in merges:
