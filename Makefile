@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-all lint bench-tokenizer bench-model bench-attention clean
+.PHONY: demo test test-all lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,kernels]'
+	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -34,6 +34,10 @@ bench-tokenizer: $(STAMP)
 bench-model: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,kernels,bench]'
 	$(PY) bench/model.py
+
+bench-data: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,kernels,data,bench]'
+	$(PY) bench/data.py
 
 bench-attention: $(STAMP)
 	$(PY) bench/attention.py

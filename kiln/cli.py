@@ -16,6 +16,8 @@ _COMMAND_MODULES: list[str] = [
     "kiln.data.cli",
     "kiln.model.cli",
     "kiln.train.cli",
+    "kiln.eval.cli",
+    "kiln.scaling.cli",
     "kiln.demo",
 ]
 

@@ -331,14 +331,35 @@ def to_toml(data: Mapping[str, Any], header: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def _write_table(data: Mapping[str, Any], path: list[str], lines: list[str]) -> None:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, Mapping) and v is not None}
+def _is_table_array(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(v, Mapping) for v in value)
+    )
+
+
+def _write_table(
+    data: Mapping[str, Any], path: list[str], lines: list[str], array_item: bool = False
+) -> None:
+    scalars = {
+        k: v
+        for k, v in data.items()
+        if not isinstance(v, Mapping) and v is not None and not _is_table_array(v)
+    }
     tables = {k: v for k, v in data.items() if isinstance(v, Mapping)}
-    if path and (scalars or not tables):
-        lines.append(f"\n[{'.'.join(_key(p) for p in path)}]")
+    arrays = {k: v for k, v in data.items() if _is_table_array(v)}
+    name = ".".join(_key(p) for p in path)
+    if array_item:
+        lines.append(f"\n[[{name}]]")
+    elif path and (scalars or not (tables or arrays)):
+        lines.append(f"\n[{name}]")
     lines.extend(f"{_key(k)} = {toml_value(v)}" for k, v in scalars.items())
-    for name, table in tables.items():
-        _write_table(table, [*path, name], lines)
+    for key, table in tables.items():
+        _write_table(table, [*path, key], lines)
+    for key, items in arrays.items():
+        for item in items:  # an array of tables: one [[key]] header per element
+            _write_table(item, [*path, key], lines, array_item=True)
 
 
 def _key(name: str) -> str:

@@ -1,4 +1,4 @@
-"""`kiln data tokenize|inspect`: build a token-shard dataset, and summarise one."""
+"""`kiln data run|tokenize|inspect`: the data pipeline, plain tokenization, and inspection."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ from kiln.cli import add_command_group, add_subcommand
 from kiln.errors import KilnError
 
 _EXAMPLES = {
+    "run": """examples:
+  kiln data run configs/pipeline_sample.toml
+  kiln data run web.toml --out data/web --workers 16 --set dedup.near.bands=20
+  kiln data run web.toml --executor ray --address auto     # on a Ray cluster
+  kiln data run web.toml --force          # the config changed: rebuild (old output kept until done)""",
     "tokenize": """examples:
   kiln data tokenize --tokenizer tok.json stories.txt.gz --out data/stories
   kiln data tokenize --tokenizer tok.json web/*.jsonl.zst --text-field text --out data/web \\
       --val-docs 5000 --workers 16 --shard-tokens 100000000 --seed 1""",
     "inspect": """examples:
   kiln data inspect data/stories
-  kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify""",
+  kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify
+  kiln data inspect data/web --token 123456789   # which document, source, and removed neighbours""",
 }
 
 
@@ -25,12 +31,64 @@ def register(sub: Any) -> None:
     commands = add_command_group(
         sub,
         "data",
-        "tokenize documents into token shards, and inspect shard datasets",
-        "Token-shard datasets: tokenize documents into shards, inspect them.",
-        "kiln data tokenize --tokenizer tok.json corpus.txt.gz --out data/corpus",
+        "run the data pipeline, tokenize documents into shards, inspect datasets",
+        "Data: the filter/dedup/decontaminate/mix pipeline, token-shard datasets, inspection.",
+        "kiln data run configs/pipeline_sample.toml",
     )
+    _add_run(commands)
     _add_tokenize(commands)
     _add_inspect(commands)
+
+
+# ---------------------------------------------------------------------------------------- run
+def _add_run(commands: Any) -> None:
+    p = add_subcommand(
+        commands,
+        "run",
+        "run a data pipeline (filter, dedup, decontaminate, mix, tokenize) from a TOML config",
+        _EXAMPLES["run"],
+    )
+    p.add_argument("config", metavar="PIPELINE.toml", help="the pipeline config")
+    p.add_argument("--out", help="the output dataset directory (default: `output` in the config)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    p.add_argument("--executor", choices=("local", "ray"), default="local")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set quality.c4.enabled=false",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild although the output (or an unfinished run) has another config",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=run_pipeline_cmd)
+
+
+def run_pipeline_cmd(args: argparse.Namespace) -> int:
+    """Handler of `kiln data run`."""
+    from kiln.data.pipeline.config import load_pipeline_config
+    from kiln.data.pipeline.runner import RunOptions, run_pipeline
+    from kiln.data.pipeline.summary import format_funnel
+
+    if args.workers < 1:
+        raise KilnError(f"--workers must be >= 1, got {args.workers}")
+    cfg = load_pipeline_config(args.config, tuple(args.set))
+    opts = RunOptions(
+        out=args.out or "",
+        workers=args.workers,
+        executor=args.executor,
+        address=args.address,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    manifest = run_pipeline(cfg, opts)
+    print(format_funnel(manifest))
+    return 0
 
 
 # ----------------------------------------------------------------------------------- tokenize
@@ -116,6 +174,13 @@ def _add_inspect(commands: Any) -> None:
     p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
     p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
     p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.add_argument(
+        "--token",
+        type=int,
+        metavar="POS",
+        help="show the document holding token POS of --split, its source, input place and the "
+        "removed documents around it (datasets made by `kiln data run`)",
+    )
     p.set_defaults(handler=run_inspect)
 
 
@@ -148,6 +213,11 @@ def run_inspect(args: argparse.Namespace) -> int:
             else ""
         )
         print(f"  {src.path}: {per_split}{dropped}{repaired}")
+    if args.token is not None:
+        from kiln.data.pipeline.audit import explain_token
+
+        print(explain_token(ds, args.split, args.token))
+        return 0
     _print_sample(ds, args)
     return 0
 
@@ -160,7 +230,7 @@ def _print_sample(ds: Any, args: argparse.Namespace) -> None:
     if not os.path.isfile(tok_path):
         print(f"sample: tokenizer {tok_path} not found; pass --tokenizer to decode a document")
         return
-    from kiln.tokenizer import Tokenizer
+    from kiln.tokenizer.formats import read_any
 
     if args.tokenizer is None:
         # The stored path may now hold a different file; decoding with it would mislead.
@@ -172,7 +242,7 @@ def _print_sample(ds: Any, args: argparse.Namespace) -> None:
                 "--tokenizer with the original file"
             )
     tokens = split.document(args.doc)
-    text = Tokenizer.load(tok_path).decode(tokens.tolist())
+    text = read_any(tok_path).decode(tokens.tolist())
     shown = text if len(text) <= args.max_chars else text[: args.max_chars] + "…"
     print(
         f"sample: {args.split} document {args.doc} ({len(tokens)} tokens, from "

@@ -76,6 +76,8 @@ class Manifest:
     config: dict[str, Any]
     created: str = ""
     kiln_version: str = ""
+    # Written by `kiln data run`: the funnel, the mixture before/after, decontamination.
+    pipeline: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to disk (split totals included for readers of the file)."""
@@ -97,6 +99,7 @@ class Manifest:
             "config": self.config,
             "created": self.created,
             "kiln_version": self.kiln_version,
+            **({"pipeline": self.pipeline} if self.pipeline else {}),
         }
 
     def write(self, directory: Path) -> None:
@@ -147,4 +150,5 @@ class Manifest:
             config=dict(doc.get("config", {})),
             created=str(doc.get("created", "")),
             kiln_version=str(doc.get("kiln_version", "")),
+            pipeline=dict(doc.get("pipeline", {})),
         )

@@ -95,7 +95,9 @@ class _SourceTally:
 @functools.lru_cache(maxsize=2)
 def _worker_tokenizer(path: str) -> Tokenizer:
     # Loaded once per worker process and reused for every batch it is sent.
-    return Tokenizer.load(path)
+    from kiln.tokenizer.formats import read_any
+
+    return read_any(path)
 
 
 def encode_documents(
@@ -163,21 +165,28 @@ def _count_documents(config: TokenizeConfig) -> int:
 
 
 def _load_tokenizer(config: TokenizeConfig) -> tuple[Tokenizer, TokenizerEntry]:
-    path = Path(config.tokenizer)
+    return load_tokenizer_entry(config.tokenizer, config.eot_token)
+
+
+def load_tokenizer_entry(path_text: str, eot_token: str) -> tuple[Tokenizer, TokenizerEntry]:
+    """Load a tokenizer file (kiln, HF or GPT-2 vocab.json) and its manifest entry."""
+    from kiln.tokenizer.formats import read_any
+
+    path = Path(path_text)
     if not path.is_file():
         raise KilnError(f"{path}: no such tokenizer file")
-    tok = Tokenizer.load(path)
-    eot_id = tok.special_tokens.get(config.eot_token)
+    tok = read_any(path)
+    eot_id = tok.special_tokens.get(eot_token)
     if eot_id is None:
         raise KilnError(
-            f"{path}: the tokenizer has no special token {config.eot_token!r} to end documents "
+            f"{path}: the tokenizer has no special token {eot_token!r} to end documents "
             f"with (it has {sorted(tok.special_tokens)}); pass --eot-token"
         )
     entry = TokenizerEntry(
         path=os.path.abspath(path),
         sha256=sha256_file(path),
         vocab_size=tok.n_vocab,
-        eot_token=config.eot_token,
+        eot_token=eot_token,
         eot_id=eot_id,
     )
     return tok, entry
@@ -196,7 +205,7 @@ def _check_output(out: Path, force: bool) -> None:
         raise KilnError(f"{out} exists and is not a directory")
 
 
-def _install(tmp: Path, out: Path) -> None:
+def install_dataset(tmp: Path, out: Path) -> None:
     """Move the finished dataset into place; an old one is renamed away, then deleted."""
     if not out.exists():
         os.replace(tmp, out)
@@ -240,7 +249,7 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
             kiln_version=__version__,
         )
         manifest.write(tmp)
-        _install(tmp, out)
+        install_dataset(tmp, out)
     except BaseException:
         for writer in writers.values():
             writer.abort()

@@ -2,7 +2,8 @@
 
 MFU = achieved model FLOPs/s ÷ peak FLOPs/s, with model FLOPs per token from the config
 (`ModelConfig.flops_per_token`: 6·N_matmul + attention). Peaks are dense bf16 tensor-core
-figures; on a CPU or an unknown accelerator MFU is null ("n/a"), never a made-up number.
+figures from `kiln.hardware`; on a CPU or an unknown accelerator MFU is null ("n/a"), never a
+made-up number.
 """
 
 from __future__ import annotations
@@ -12,27 +13,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-# Dense (no sparsity) bf16 peak FLOP/s per device, from the vendors' data sheets. The first
-# name that is a substring of the device name wins, so more specific names come first.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-)
-
 
 def peak_flops(device_name: str | None) -> float | None:
     """Peak dense bf16 FLOP/s of a device by its name, or None when it is not in the table."""
-    if not device_name:
-        return None
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return flops
-    return None
+    from kiln.hardware import accelerator_for_device
+
+    acc = accelerator_for_device(device_name)
+    return acc.peak_flops.get("bf16") if acc is not None else None
 
 
 def device_peak_flops(device: Any) -> float | None:

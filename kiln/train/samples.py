@@ -64,7 +64,9 @@ class ContinuationSampler:
             )
             return None
         try:
-            tokenizer = Tokenizer.load(path)
+            from kiln.tokenizer.formats import read_any  # kiln, HF or GPT-2 vocab.json
+
+            tokenizer = read_any(path)
         except (KilnError, OSError, ValueError) as exc:
             warnings.warn(f"eval samples skipped: cannot load {path}: {exc}", stacklevel=2)
             return None

@@ -14,9 +14,9 @@ from kiln.train.metrics import MetricsLog, device_peak_flops, mfu, peak_flops
     ("name", "peak"),
     [
         ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
         ("NVIDIA H100 PCIe", 756e12),
-        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200", 989.4e12),
         ("NVIDIA B200", 2250e12),
         ("NVIDIA GeForce RTX 3090", None),
         (None, None),

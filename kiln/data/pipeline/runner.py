@@ -1,0 +1,360 @@
+"""`run_pipeline`: plan tasks, filter, deduplicate, decontaminate, tokenize, mix, write shards.
+
+The run is built in `<out>.partial/` and renamed to `<out>` when complete. Every phase leaves
+completion markers there, so a killed run started again with the same config redoes only what
+did not finish; a different config is refused unless `force`, which starts afresh (and replaces
+a finished `<out>` only once the new one is complete).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln import config as cfgio
+from kiln.data.manifest import MANIFEST_NAME, Manifest
+from kiln.data.pipeline.config import InputFile, PipelineConfig, expand_sources
+from kiln.data.pipeline.executors import Executor, make_executor
+from kiln.data.pipeline.global_stages import GLOBAL_STATS, run_global_stages
+from kiln.data.pipeline.mix import SourceMix, plan_mixture
+from kiln.data.pipeline.records import (
+    load_arrays,
+    read_records,
+    unit_interval,
+    write_records,
+)
+from kiln.data.pipeline.tasks import (
+    STATS,
+    FilterTask,
+    TokenizeTask,
+    is_done,
+    run_filter_task,
+    run_tokenize_task,
+)
+from kiln.data.pipeline.writer import write_dataset
+from kiln.data.tokenize_shards import install_dataset
+from kiln.errors import KilnError
+from kiln.io import write_json_atomic
+
+RUN_FILE = "run.json"
+PIPELINE_DIR = "pipeline"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run (not what to compute): none of this changes the output."""
+
+    out: str = ""
+    workers: int = 1
+    executor: str = "local"
+    address: str | None = None
+    force: bool = False
+    progress: bool = True
+
+
+def _log(message: str, progress: bool) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _read_digest(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / PIPELINE_DIR / RUN_FILE).read_text())["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool:
+    """Check what is on disk; return True when `out` is already this config's finished output."""
+    digest = cfg.digest()
+    if out.exists():
+        if not (out / MANIFEST_NAME).is_file() or _read_digest(out) is None:
+            raise KilnError(f"{out} exists and is not a `kiln data run` output; choose another")
+        if _read_digest(out) == digest and not force:
+            return True
+        if not force:
+            raise KilnError(
+                f"{out} was made by a different pipeline config; pass --force to rebuild it "
+                f"(the old dataset is replaced only when the new one is complete)"
+            )
+    if partial.exists():
+        found = _read_digest(partial)
+        if found != digest:
+            if not force:
+                raise KilnError(
+                    f"{partial} holds an unfinished run of a different config; pass --force to "
+                    f"discard it and start again"
+                )
+            shutil.rmtree(partial)
+        elif force and out.exists():
+            pass  # resuming the forced rebuild of a finished dataset
+    (partial / PIPELINE_DIR).mkdir(parents=True, exist_ok=True)
+    if _read_digest(partial) is None:
+        plain = cfgio.to_dict(cfg)
+        write_json_atomic(partial / PIPELINE_DIR / RUN_FILE, {"digest": digest, "config": plain})
+        (partial / PIPELINE_DIR / "config.toml").write_text(
+            cfgio.to_toml(plain, header=f"kiln data run config (digest {digest})"),
+            encoding="utf-8",
+        )
+    return False
+
+
+def _count_task(file: InputFile, spec_args: dict[str, Any]) -> int:
+    from kiln.data.pipeline.readers import count_records
+
+    return count_records(file.path, file.format, **spec_args)
+
+
+def _count_one(args: tuple[InputFile, dict[str, Any]]) -> int:
+    return _count_task(*args)
+
+
+def _reader_args(cfg: PipelineConfig, source: str) -> dict[str, Any]:
+    spec = next(s for s in cfg.sources if s.name == source)
+    return {"text_field": spec.text_field, "separator": spec.separator}
+
+
+def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -> list[FilterTask]:
+    """Split every input file into tasks of `docs_per_task` records (counts kept in plan.json)."""
+    files = expand_sources(cfg)
+    plan_path = work / "plan.json"
+    if plan_path.is_file():
+        counts = json.loads(plan_path.read_text())["records"]
+    else:
+        jobs = [(f, _reader_args(cfg, f.source)) for f in files]
+        counts = [0] * len(files)
+        for i, n in executor.map(_count_one, jobs, desc="count records", unit="file"):
+            counts[i] = n
+        write_json_atomic(plan_path, {"files": [f.path for f in files], "records": counts})
+    tasks: list[FilterTask] = []
+    for f, n in zip(files, counts, strict=True):
+        spec = next(s for s in cfg.sources if s.name == f.source)
+        for start in range(0, max(n, 1), cfg.docs_per_task):
+            tasks.append(
+                FilterTask(
+                    index=len(tasks),
+                    file=f,
+                    start=start,
+                    stop=min(n, start + cfg.docs_per_task),
+                    config=cfg,
+                    workdir=str(work),
+                    text_field=spec.text_field,
+                    id_field=spec.id_field,
+                    separator=spec.separator,
+                )
+            )
+    _log(f"plan: {len(files)} files, {sum(counts):,} records, {len(tasks)} tasks", progress)
+    return tasks
+
+
+def _run_missing(
+    executor: Executor, fn: Any, tasks: list[Any], desc: str, sizes: list[int]
+) -> None:
+    todo = [i for i, t in enumerate(tasks) if not is_done(t.dir)]
+    if len(todo) < len(tasks):
+        print(
+            f"{desc}: {len(tasks) - len(todo)} of {len(tasks)} tasks already done", file=sys.stderr
+        )
+    runs = executor.map(
+        fn, [tasks[i] for i in todo], desc=desc, unit="doc", sizes=[sizes[i] for i in todo]
+    )
+    for _ in runs:
+        pass
+
+
+def _load_stats(task_dir: Path) -> dict[str, Any]:
+    return json.loads((task_dir / STATS).read_text())
+
+
+def _mixture_inputs(
+    cfg: PipelineConfig, tok_tasks: list[TokenizeTask], work: Path
+) -> tuple[list[dict[str, Any]], list[SourceMix]]:
+    """Per surviving document: where its tokens are, and each source's train documents."""
+    docs: list[dict[str, Any]] = []
+    for t in tok_tasks:
+        lengths = np.load(t.dir / "lengths.npy")
+        is_val = load_arrays(work / "global" / f"{t.index:06d}.npz")["val_kept"]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for j, record in enumerate(read_records(t.dir / "docs.jsonl.zst")):
+            record.update(
+                task=t.index,
+                start=int(offsets[j]),
+                length=int(lengths[j]),
+                split="val" if is_val[j] else "train",
+            )
+            docs.append(record)
+    mixes = []
+    for spec in cfg.sources:
+        train = [d for d in docs if d["source"] == spec.name and d["split"] == "train"]
+        mixes.append(
+            SourceMix(
+                name=spec.name,
+                share=spec.share,
+                rate=spec.rate,
+                order_keys=np.array(
+                    [unit_interval(cfg.seed, "mix", d["id"]) for d in train], dtype=np.float64
+                ),
+                lengths=np.array([d["length"] for d in train], dtype=np.int64),
+            )
+        )
+    return docs, mixes
+
+
+def _funnel(
+    cfg: PipelineConfig, filter_stats: list[dict[str, Any]], global_stats: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Stage by stage: documents in, kept, and removed by reason (overall and per source)."""
+    rows: list[dict[str, Any]] = []
+    records = sum(s["records"] for s in filter_stats)
+    documents = sum(s["documents"] for s in filter_stats)
+    rows.append({"stage": "read", "in": records, "kept": documents, "removed": {}, "by_source": {}})
+    stage_names: list[str] = []
+    for s in filter_stats:
+        for name in s["stage_in"]:
+            if name not in stage_names:
+                stage_names.append(name)
+    for name in stage_names:
+        total_in = sum(s["stage_in"].get(name, 0) for s in filter_stats)
+        removed: dict[str, int] = {}
+        by_source: dict[str, int] = {}
+        for s in filter_stats:
+            for reason, n in s["removed"].get(name, {}).items():
+                removed[reason] = removed.get(reason, 0) + n
+                by_source[s["source"]] = by_source.get(s["source"], 0) + n
+        rows.append(
+            {
+                "stage": name,
+                "in": total_in,
+                "kept": total_in - sum(removed.values()),
+                "removed": removed,
+                "by_source": by_source,
+            }
+        )
+    rows.extend(global_stats["funnel"])
+    return rows
+
+
+def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
+    """Run the whole pipeline; return the manifest of the finished dataset."""
+    out_text = opts.out or cfg.output
+    if not out_text:
+        raise KilnError("no output directory: give --out or `output` in the config")
+    out = Path(out_text)
+    partial = out.with_name(out.name + ".partial")
+    if _prepare(out, partial, cfg, opts.force):
+        _log(f"{out} is already complete for this config; nothing to do", opts.progress)
+        return Manifest.read(out)
+    work = partial / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    executor = make_executor(opts.executor, opts.workers, opts.address, opts.progress)
+    try:
+        tasks = _plan(cfg, work, executor, opts.progress)
+        _run_missing(executor, run_filter_task, tasks, "filter", [t.stop - t.start for t in tasks])
+        filter_stats = [_load_stats(t.dir) for t in tasks]
+        global_dir = work / "global"
+        if not (global_dir / GLOBAL_STATS).is_file():
+            _log("dedup + decontaminate: global pass", opts.progress)
+            run_global_stages(cfg, [t.dir for t in tasks], global_dir)
+        global_stats = json.loads((global_dir / GLOBAL_STATS).read_text())
+        tok_tasks = [
+            TokenizeTask(t.index, str(work), cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+            for t in tasks
+        ]
+        kept = [int(load_arrays(global_dir / f"{t.index:06d}.npz")["keep"].sum()) for t in tasks]
+        _run_missing(executor, run_tokenize_task, tok_tasks, "tokenize", kept)
+    finally:
+        executor.close()
+    tok_stats = [_load_stats(t.dir) for t in tok_tasks]
+    docs, mixes = _mixture_inputs(cfg, tok_tasks, work)
+    repeats, mix_summary = plan_mixture(mixes)
+    warnings = [
+        f"source {name!r} has no training tokens left after filtering; its share is not met"
+        for name, m in mix_summary.items()
+        if m["tokens_before"] == 0
+    ]
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    _log("writing shards", opts.progress)
+    stats = {
+        "funnel": _funnel(cfg, filter_stats, global_stats),
+        "mix": mix_summary,
+        "decontamination": _merge_decontam(tok_stats),
+        "read_issues": _merge_issues(filter_stats),
+        "histograms": _merge_histograms(filter_stats),
+        "removed_samples": _samples(cfg, tasks, global_stats["samples"]),
+        "digest": cfg.digest(),
+        "warnings": warnings,
+    }
+    manifest = write_dataset(cfg, partial, work, docs, repeats, stats, opts.progress)
+    _finish(partial, out, work, tasks, global_dir)
+    return manifest
+
+
+def _samples(
+    cfg: PipelineConfig, tasks: list[FilterTask], global_samples: dict[str, list[Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """A few removed documents per (stage, reason), the first in input order."""
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for t in tasks:
+        for record in read_records(t.dir / "removed.jsonl.zst"):
+            if "excerpt" in record:
+                bucket = samples.setdefault(f"{record['stage']}/{record['reason']}", [])
+                if len(bucket) < cfg.removed_samples:
+                    bucket.append(record)
+    samples.update(global_samples)
+    return samples
+
+
+def _merge_decontam(tok_stats: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    merged: dict[str, dict[str, int]] = {}
+    for s in tok_stats:
+        for task, counts in s.get("decontam", {}).items():
+            entry = merged.setdefault(task, {"documents": 0, "spans": 0, "dropped": 0})
+            for key, n in counts.items():
+                entry[key] = entry.get(key, 0) + n
+    return dict(sorted(merged.items()))
+
+
+def _merge_issues(filter_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    from kiln.data.pipeline.readers import ReadIssues
+
+    merged = ReadIssues()
+    for s in filter_stats:
+        merged.merge(ReadIssues.from_json(s["issues"]))
+    return merged.to_json()
+
+
+def _merge_histograms(filter_stats: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    from kiln.data.pipeline.tasks import CHAR_BINS, SCORE_BINS
+
+    merged: dict[str, dict[str, list[int]]] = {
+        "bins": {"log10_chars": CHAR_BINS.tolist(), "lang_score": SCORE_BINS.tolist()}
+    }
+    for s in filter_stats:
+        per = merged.setdefault(s["source"], {})
+        for key, counts in s["hist"].items():
+            old = per.get(key, [0] * len(counts))
+            per[key] = [a + b for a, b in zip(old, counts, strict=True)]
+    return merged
+
+
+def _finish(
+    partial: Path, out: Path, work: Path, tasks: list[FilterTask], global_dir: Path
+) -> None:
+    """Gather the audit log, drop intermediate text and tokens, move the dataset into place."""
+    audit = partial / PIPELINE_DIR / "removed.jsonl.zst"
+
+    def all_removals() -> Any:
+        for t in tasks:
+            yield from read_records(t.dir / "removed.jsonl.zst")
+        yield from read_records(global_dir / "removed.jsonl.zst")
+
+    write_records(audit, all_removals())
+    shutil.rmtree(work)
+    install_dataset(partial, out)

@@ -1,0 +1,297 @@
+"""The work a pipeline splits into tasks: filter a slice of one input file; tokenize its survivors.
+
+A task reads only its inputs and writes only its own files under the run's work directory,
+finishing with `stats.json` (the completion marker), so a killed run redoes exactly the tasks
+without one, and the output never depends on which worker ran what.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.data.pipeline.config import InputFile, PipelineConfig
+from kiln.data.pipeline.document import Document, DocumentStage
+from kiln.data.pipeline.records import (
+    load_arrays,
+    read_records,
+    save_array,
+    save_arrays,
+    unit_interval,
+    write_records,
+)
+from kiln.io import write_json_atomic
+
+STATS = "stats.json"
+EXCERPT_CHARS = 600
+CHAR_BINS = np.arange(0.0, 7.01, 0.25)  # log10 of document length in characters
+SCORE_BINS = np.linspace(0.0, 1.0, 21)
+# Why a document that reached decontamination is dropped there (0: kept).
+DECONTAM_CODES = ("", "decontaminate.too_many_pieces", "decontaminate.empty")
+
+
+@dataclass(frozen=True)
+class FilterTask:
+    """Records [start, stop) of one input file, through the per-document stages."""
+
+    index: int
+    file: InputFile
+    start: int
+    stop: int
+    config: PipelineConfig
+    workdir: str
+    text_field: str
+    id_field: str
+    separator: str
+
+    @property
+    def dir(self) -> Path:
+        """Where this task's outputs go."""
+        return Path(self.workdir) / "filter" / f"{self.index:06d}"
+
+
+@dataclass(frozen=True)
+class TokenizeTask:
+    """Encode one filter task's surviving documents."""
+
+    index: int
+    workdir: str
+    tokenizer: str
+    eot_token: str
+
+    @property
+    def dir(self) -> Path:
+        """Where this task's outputs go."""
+        return Path(self.workdir) / "tokens" / f"{self.index:06d}"
+
+
+def is_done(task_dir: Path) -> bool:
+    """Whether a task finished (its completion marker exists)."""
+    return (task_dir / STATS).is_file()
+
+
+@functools.lru_cache(maxsize=2)
+def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
+    """The enabled per-document stages, in pipeline order, built once per worker process."""
+    from kiln.data.pipeline.extract import Extract
+    from kiln.data.pipeline.language import LanguageFilter
+    from kiln.data.pipeline.normalise import Normalise
+    from kiln.data.pipeline.pii import PIIRedact
+    from kiln.data.pipeline.quality_c4 import C4Filter
+    from kiln.data.pipeline.quality_fineweb import FineWebFilter
+    from kiln.data.pipeline.quality_gopher import GopherQuality, GopherRepetition
+
+    q = config.quality
+    candidates: list[tuple[str, Any, Any]] = [
+        ("extract", config.extract, Extract),
+        ("normalise", config.normalise, Normalise),
+        ("language", config.language, LanguageFilter),
+        ("gopher_quality", q.gopher_quality, GopherQuality),
+        ("gopher_repetition", q.gopher_repetition, GopherRepetition),
+        ("c4", q.c4, C4Filter),
+        ("fineweb", q.fineweb, FineWebFilter),
+        ("pii", config.pii, PIIRedact),
+    ]
+    return [(name, cls(cfg)) for name, cfg, cls in candidates if cfg.enabled]
+
+
+@functools.lru_cache(maxsize=2)
+def _decontaminator(config: PipelineConfig) -> Any:
+    from kiln.data.pipeline.decontaminate import Decontaminator, EvalNgramIndex
+
+    cfg = config.decontaminate
+    if not cfg.enabled or not cfg.eval_files:
+        return None
+    return Decontaminator(cfg, EvalNgramIndex.from_files(cfg.eval_files))
+
+
+@functools.lru_cache(maxsize=2)
+def _minhasher(config: PipelineConfig) -> Any:
+    from kiln.data.pipeline.minhash import MinHasher
+
+    return MinHasher(config.dedup.near)
+
+
+def _histogram(values: list[float], bins: np.ndarray) -> list[int]:
+    counts, _ = np.histogram(np.clip(values, bins[0], bins[-1]), bins=bins)
+    return counts.tolist()
+
+
+def _removal(doc: Document, stage: str, reason: str, excerpt: bool) -> dict[str, Any]:
+    record = {
+        "id": doc.id,
+        "source": doc.source,
+        "file": doc.meta.get("file", ""),
+        "ordinal": doc.meta.get("ordinal", -1),
+        "stage": stage,
+        "reason": reason,
+    }
+    if excerpt:
+        record["excerpt"] = doc.text[:EXCERPT_CHARS]
+    return record
+
+
+def run_filter_task(task: FilterTask) -> dict[str, Any]:
+    """Read, filter and fingerprint one slice of an input file; write the results; return stats."""
+    from kiln.data.pipeline.exact_dedup import exact_key, keys_array
+    from kiln.data.pipeline.readers import ReadIssues, iter_records
+
+    cfg, f = task.config, task.file
+    stages = build_stages(cfg)
+    decontam = _decontaminator(cfg)
+    issues = ReadIssues()
+    records = iter_records(
+        f.path,
+        f.format,
+        text_field=task.text_field,
+        id_field=task.id_field or None,
+        separator=task.separator,
+        issues=issues,
+        start=task.start,
+        stop=task.stop,
+    )
+    stage_in: Counter[str] = Counter()
+    removed_by: dict[str, Counter[str]] = {name: Counter() for name, _ in stages}
+    removed: list[dict[str, Any]] = []
+    kept: list[Document] = []
+    chars, scores = [], []
+    n_records = n_documents = 0
+    for ordinal, doc in enumerate(records, task.start):
+        n_records += 1
+        if doc is None:
+            continue
+        n_documents += 1
+        doc.source = f.source
+        doc.id = doc.id or f"{f.source}:{f.relpath}:{ordinal}"
+        doc.meta.setdefault("file", f.path)
+        doc.meta["ordinal"] = ordinal
+        chars.append(math.log10(max(len(doc.text), 1)))
+        reason_stage = None
+        for name, stage in stages:
+            stage_in[name] += 1
+            reason = stage.apply(doc)
+            if name == "language" and "lang_score" in doc.meta:
+                scores.append(float(doc.meta["lang_score"]))
+            if reason is not None:
+                reason_stage = (name, reason)
+                break
+        if reason_stage is not None:
+            name, reason = reason_stage
+            removed_by[name][reason] += 1
+            sample = removed_by[name][reason] <= cfg.removed_samples
+            removed.append(_removal(doc, name, reason, sample))
+            continue
+        kept.append(doc)
+
+    is_val = np.array(
+        [unit_interval(cfg.seed, "val", d.id) < cfg.split.val_fraction for d in kept], dtype=bool
+    )
+    exact = keys_array([exact_key(d.text) for d in kept])
+    if cfg.dedup.near.enabled and kept:
+        hasher = _minhasher(cfg)
+        bands = hasher.band_keys(hasher.signatures([d.text for d in kept]))
+    else:  # same width for every task, so the runner can stack them
+        width = cfg.dedup.near.bands if cfg.dedup.near.enabled else 0
+        bands = np.zeros((len(kept), width), dtype=np.uint64)
+    # Decontamination runs after dedup in the funnel; its per-document verdict is computed here
+    # (it needs only the document) and applied by the runner to the dedup survivors.
+    codes = np.zeros(len(kept), dtype=np.int8)
+    if decontam is not None:
+        originals = [d.text for d in kept]
+        for i, reason in enumerate(decontam.apply_batch(kept)):
+            if reason is not None:
+                codes[i] = DECONTAM_CODES.index(reason)
+                kept[i].meta["decontam_excerpt"] = originals[i][:EXCERPT_CHARS]
+
+    task.dir.mkdir(parents=True, exist_ok=True)
+    write_records(
+        task.dir / "docs.jsonl.zst",
+        ({"id": d.id, "source": d.source, "text": d.text, "meta": d.meta} for d in kept),
+    )
+    write_records(task.dir / "removed.jsonl.zst", removed)
+    save_arrays(
+        task.dir / "keys.npz",
+        exact=exact,
+        bands=bands,
+        is_val=is_val,
+        decontam=codes,
+        ordinal=np.array([d.meta["ordinal"] for d in kept], dtype=np.int64),
+        ids=np.array([d.id for d in kept], dtype=str),
+    )
+    stats = {
+        "task": task.index,
+        "source": f.source,
+        "file": f.path,
+        "records": n_records,
+        "documents": n_documents,
+        "kept": len(kept),
+        "stage_in": dict(stage_in),
+        "removed": {k: dict(v) for k, v in removed_by.items() if v},
+        "issues": issues.to_json(),
+        "hist": {
+            "log10_chars": _histogram(chars, CHAR_BINS),
+            "lang_score": _histogram(scores, SCORE_BINS),
+        },
+    }
+    write_json_atomic(task.dir / STATS, stats)  # the completion marker: written last
+    return stats
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
+    from kiln.data.tokenize_shards import load_tokenizer_entry
+
+    tok, entry = load_tokenizer_entry(path, eot_token)
+    return tok, entry.eot_id
+
+
+def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
+    """Encode the documents of one filter task that the global stages kept; return stats."""
+    from kiln.data.shard_format import dtype_for_vocab
+    from kiln.data.tokenize_shards import encode_documents
+
+    filter_dir = Path(task.workdir) / "filter" / f"{task.index:06d}"
+    decision = load_arrays(Path(task.workdir) / "global" / f"{task.index:06d}.npz")
+    keep, reached = decision["keep"], decision["reached_decontam"]
+    texts, docs = [], []
+    decontam: dict[str, dict[str, int]] = {}
+    for i, record in enumerate(read_records(filter_dir / "docs.jsonl.zst")):
+        if reached[i]:
+            for name, spans in (record["meta"].get("decontam") or {}).items():
+                entry = decontam.setdefault(name, {"documents": 0, "spans": 0, "dropped": 0})
+                entry["documents"] += 1
+                entry["spans"] += int(spans)
+                entry["dropped"] += int(not keep[i])
+        if keep[i]:
+            texts.append(record["text"])
+            docs.append(
+                {
+                    "id": record["id"],
+                    "source": record["source"],
+                    "file": record["meta"].get("file", ""),
+                    "ordinal": record["meta"].get("ordinal", -1),
+                }
+            )
+    tok, eot_id = _tokenizer(task.tokenizer, task.eot_token)
+    dtype = dtype_for_vocab(tok.n_vocab)
+    flat, lengths = encode_documents(tok, texts, eot_id, dtype)
+    task.dir.mkdir(parents=True, exist_ok=True)
+    save_array(task.dir / "tokens.npy", flat)
+    save_array(task.dir / "lengths.npy", lengths)
+    write_records(task.dir / "docs.jsonl.zst", docs)
+    stats = {"task": task.index, "documents": len(docs), "tokens": int(flat.shape[0])}
+    stats["decontam"] = decontam
+    write_json_atomic(task.dir / STATS, stats)
+    return stats
+
+
+def task_dirs_exist(workdir: str) -> bool:
+    """Whether a run directory already holds task outputs."""
+    return os.path.isdir(os.path.join(workdir, "filter"))

@@ -1,0 +1,151 @@
+"""`kiln eval MODEL --tasks ...`: benchmark tasks, val loss and bits-per-byte of a model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+# ../shared/data/eval beside the repository, when kiln runs from a checkout that has it.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
+
+EXAMPLES = """examples:
+  kiln eval runs/demo --tasks hellaswag,arc_easy --limit 200
+  kiln eval exports/demo --tasks all --out results/demo.json
+  kiln eval runs/demo --val data/stories --bpb data/valid.txt
+  kiln eval runs/demo --lm-eval-tasks my_task --lm-eval-include tasks/   # lm-eval-harness
+  kiln eval --list-tasks
+
+MODEL is an HF directory (config.json + model.safetensors, e.g. from `kiln export`), a
+checkpoint directory (checkpoints/step_N) or a run directory (its latest checkpoint)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kiln eval` to the `kiln` command."""
+    from kiln.cli import add_subcommand
+
+    p = add_subcommand(sub, "eval", "evaluate a model: tasks, val loss, bits-per-byte", EXAMPLES)
+    p.description = (
+        "Score a model on multiple-choice tasks (accuracy by summed and per-byte log-prob,\n"
+        "centred against chance, a CORE-style mean), LAMBADA, val loss/perplexity of a token\n"
+        "dataset, bits-per-byte of a text file, and lm-evaluation-harness tasks.\n"
+        "Prints a table; --out writes the results as JSON."
+    )
+    p.add_argument("model", nargs="?", metavar="MODEL", help="HF, checkpoint or run directory")
+    p.add_argument("--tasks", help="comma-separated task names, or 'all' (see --list-tasks)")
+    p.add_argument("--list-tasks", action="store_true", help="list the known tasks and exit")
+    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR if DEFAULT_DATA_DIR.is_dir() else None,
+        help=f"directory of the task files (default: {DEFAULT_DATA_DIR} when present)",
+    )
+    p.add_argument("--val", metavar="DATASET", help="token-shard dataset: loss on its val split")
+    p.add_argument("--val-split", default="val", help="split for --val (default val)")
+    p.add_argument("--val-tokens", type=int, help="score only the split's first N tokens")
+    p.add_argument("--bpb", metavar="FILE", help="text file (.txt, .jsonl; .gz/.zst/.bz2 too)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        help="sliding-window stride for --val/--bpb (default: the block size; smaller gives "
+        "each token more context and costs block_size/stride times more)",
+    )
+    p.add_argument("--lm-eval-tasks", help="lm-evaluation-harness task names (needs kiln[eval])")
+    p.add_argument("--lm-eval-include", help="directory of extra lm-eval task YAML files")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the model's own)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Load the model, run what was asked, print the table, write the JSON."""
+    from kiln.eval.tasks import TASKS, parse_task_names
+
+    if args.list_tasks:
+        for spec in TASKS.values():
+            print(f"{spec.name:<14} {spec.filename:<24} {spec.description}")
+        return 0
+    if args.model is None:
+        raise KilnError("MODEL is required (an HF, checkpoint or run directory)")
+    if not (args.tasks or args.val or args.bpb or args.lm_eval_tasks):
+        raise KilnError("nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks")
+    if args.limit is not None and args.limit < 1:
+        raise KilnError(f"--limit must be >= 1, got {args.limit}")
+    names = parse_task_names(args.tasks) if args.tasks else []
+    if names and args.data_dir is None:
+        raise KilnError(f"no task data at {DEFAULT_DATA_DIR}; pass --data-dir DIR")
+    if args.out is not None:
+        from kiln.io import check_can_write
+
+        check_can_write(args.out, args.force)  # before minutes of scoring, not after
+    doc, table = evaluate(args, names)
+    print(table)
+    if args.out is not None:
+        from kiln.io import write_json_atomic
+
+        write_json_atomic(args.out, doc)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any], str]:
+    """Run the requested evaluations; the results document and its table."""
+    from kiln.eval.lm import bits_per_byte, val_loss
+    from kiln.eval.loading import load_model
+    from kiln.eval.multiple_choice import evaluate_task
+    from kiln.eval.report import format_table, results_json
+    from kiln.eval.scoring import Scorer
+    from kiln.eval.tasks import load_task
+
+    loaded_tasks = [load_task(name, args.data_dir, args.limit) for name in names]  # fail fast
+    loaded = load_model(args.model, args.tokenizer, args.device, args.dtype)
+    print(f"kiln eval: {loaded.source} (tokenizer {loaded.tokenizer_path})", file=sys.stderr)
+    scorer = Scorer(loaded.model, args.batch_size, progress=not args.no_progress)
+    tasks = []
+    for task in loaded_tasks:
+        result = evaluate_task(task, scorer, loaded.tokenizer, loaded.eot_id)
+        tasks.append((result, str(task.path)))
+    val = bpb = None
+    if args.val:
+        val = val_loss(scorer, args.val, args.val_split, args.val_tokens, args.stride)
+    if args.bpb:
+        bpb = bits_per_byte(scorer, loaded.tokenizer, args.bpb, loaded.eot_id, args.stride)
+    harness = None
+    if args.lm_eval_tasks:
+        from kiln.eval.lm_eval_adapter import run_lm_eval
+
+        harness = run_lm_eval(
+            loaded, args.lm_eval_tasks.split(","), args.lm_eval_include, args.limit,
+            args.batch_size, progress=not args.no_progress,
+        )  # fmt: skip
+    settings = {
+        "limit": args.limit, "batch_size": args.batch_size, "device": args.device,
+        "dtype": args.dtype, "stride": args.stride, "data_dir": str(args.data_dir),
+    }  # fmt: skip
+    doc = results_json(
+        loaded.source, str(loaded.tokenizer_path), settings, tasks, val, bpb, harness
+    )
+    table = format_table([r for r, _ in tasks], val, bpb)
+    if harness is not None:
+        table += ("\n" if table else "") + _harness_lines(harness)
+    return doc, table
+
+
+def _harness_lines(harness: dict[str, Any]) -> str:
+    """lm-eval's metrics, one line per task."""
+    lines = []
+    for task, metrics in harness.items():
+        shown = ", ".join(
+            f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and "stderr" not in k
+        )
+        lines.append(f"lm-eval {task}: {shown}")
+    return "\n".join(lines)

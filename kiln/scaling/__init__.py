@@ -1,0 +1,1 @@
+"""Scaling: parameter, FLOP and memory accounting, compute-optimal plans, sweeps and law fits."""

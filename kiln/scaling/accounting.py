@@ -1,0 +1,273 @@
+"""Parameter, FLOP and memory accounting of a ModelConfig, without building the model.
+
+Conventions (the same as `ModelConfig.flops_per_token`, which this module builds on rather than
+repeating):
+
+- A multiply-add is 2 FLOPs. Only matrix multiplies are counted (linear layers, the head, and
+  attention's two T-dependent products q·kᵀ and p·v); norms, activations, softmax and RoPE are
+  elementwise and left out, as in Kaplan et al. (2020) and the PaLM MFU convention.
+- Attention is counted over the full T×T score matrix ("non-causal"): 2·2·L·H·head_dim·T
+  forward FLOPs per token. That is what `ModelConfig.flops_per_token` and kiln's MFU use, so
+  figures compare with nanoGPT and PaLM. `causal=True` counts only the keys a query sees,
+  (T+1)/2 on average (fewer under a sliding window): the work a causal kernel actually does.
+- Backward = 2 × forward (gradients with respect to the inputs and the weights).
+- The "6N" approximation uses N = all parameters (embeddings included), as in Hoffmann et al.
+  (2022); the exact count uses the matmul parameters (the head, not the embedding lookup).
+
+Memory follows the usual breakdown (ZeRO, Rajbhandari et al. 2020): weights, gradients,
+optimizer state, an fp32 master copy when the weights are kept in 16 bits, and activations as
+in Korthikanti et al. (2022), re-derived for kiln's block (see `activation_elements`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
+from kiln.model.config import ModelConfig
+
+COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
+
+
+# ---- parameters --------------------------------------------------------------------------------
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by component; the values sum to `cfg.num_params()` (a tied head counts 0)."""
+    d, v, L = cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
+    q_out, kv_out, ff = cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ff_size
+    n_in = 2 if cfg.mlp == "swiglu" else 1  # SwiGLU's gate and up projections
+    norm_scale = 2 if cfg.norm == "layernorm" and cfg.bias else 1  # weight (+ bias)
+    attn = d * (q_out + 2 * kv_out) + q_out * d
+    mlp = (n_in + 1) * d * ff
+    if cfg.bias:
+        attn += q_out + 2 * kv_out + d
+        mlp += n_in * ff + d
+    norms = 2 * norm_scale * d + (2 * norm_scale * cfg.head_size if cfg.qk_norm else 0)
+    out = {
+        "embeddings": v * d + (cfg.block_size * d if cfg.pos_emb == "learned" else 0),
+        "attention": L * attn,
+        "mlp": L * mlp,
+        "norms": L * norms + norm_scale * d,
+        "head": 0 if cfg.tie_embeddings else v * d,
+    }
+    total = sum(out.values())
+    if total != cfg.num_params():  # two derivations of one number must agree
+        raise AssertionError(f"breakdown sums to {total:,}, config says {cfg.num_params():,}")
+    return out
+
+
+def non_embedding_params(cfg: ModelConfig) -> int:
+    """Parameters outside the token and position embeddings (Kaplan et al.'s N)."""
+    return cfg.num_params() - param_breakdown(cfg)["embeddings"]
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs per token of one training step, by part, for sequences of `seq_len` tokens."""
+
+    seq_len: int
+    causal: bool
+    forward_matmul: int  # 2 · N_matmul
+    forward_attention: float  # q·kᵀ and p·v: 4·L·H·head_dim · (keys per query)
+    six_n: int  # the 6N approximation, N = all parameters
+
+    @property
+    def forward(self) -> float:
+        """Forward FLOPs per token."""
+        return self.forward_matmul + self.forward_attention
+
+    @property
+    def backward(self) -> float:
+        """Backward FLOPs per token (2 × forward)."""
+        return 2 * self.forward
+
+    @property
+    def total(self) -> float:
+        """Training FLOPs per token (forward + backward)."""
+        return 3 * self.forward
+
+
+def mean_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
+    """Keys each query scores, averaged over positions and layers."""
+    if not causal:
+        return float(seq_len)
+    total = 0
+    for layer in range(cfg.n_layer):
+        w = cfg.layer_window(layer)
+        if w is None or w >= seq_len:
+            total += seq_len * (seq_len + 1) // 2
+        else:  # positions before w see t+1 keys, the rest see w
+            total += w * (w + 1) // 2 + (seq_len - w) * w
+    return total / (cfg.n_layer * seq_len)
+
+
+def flop_count(cfg: ModelConfig, seq_len: int, causal: bool = False) -> FlopCount:
+    """FLOPs per token; with causal=False, `total` equals `cfg.flops_per_token(seq_len)`."""
+    if seq_len < 1:
+        raise KilnError(f"seq_len must be >= 1, got {seq_len}")
+    keys = mean_keys_per_query(cfg, seq_len, causal)
+    attn = 4 * cfg.n_layer * cfg.n_head * cfg.head_size * keys
+    return FlopCount(seq_len, causal, 2 * cfg.num_matmul_params(), attn, 6 * cfg.num_params())
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+# Bytes per parameter for (weights, gradients, fp32 master copy). "amp-bf16" is what kiln's
+# trainer does (fp32 weights, bf16 autocast for matmuls); "bf16" keeps 16-bit weights and
+# gradients with an fp32 master copy in the optimizer (Megatron / ZeRO mixed precision).
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 0),
+    "amp-bf16": (4, 4, 0),
+    "bf16": (2, 2, 4),
+}
+OPTIMIZERS = ("adamw", "muon", "sgd")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Training memory in bytes, by part, for one process holding the whole model."""
+
+    weights: int
+    gradients: int
+    master_weights: int
+    optimizer: int
+    activations: int
+    activation_checkpointing: bool
+
+    @property
+    def states(self) -> int:
+        """Everything but the activations (what ZeRO/FSDP shard)."""
+        return self.weights + self.gradients + self.master_weights + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Every part together."""
+        return self.states + self.activations
+
+
+def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
+    """Optimizer state bytes, as torch keeps it (fp32 parameters).
+
+    AdamW: two fp32 moments per parameter plus a 4-byte step counter per parameter tensor.
+    Muon (kiln's optimizer set): a momentum buffer per hidden matrix; AdamW for the rest.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise KilnError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer == "sgd":
+        return 0
+    n, tensors = cfg.num_params(), param_tensor_count(cfg)
+    if optimizer == "adamw":
+        return 8 * n + 4 * tensors
+    hidden = cfg.num_matmul_params() - cfg.padded_vocab_size * cfg.n_embd
+    hidden_tensors = cfg.n_layer * 4  # qkv, attn proj, mlp fc, mlp proj
+    return 4 * hidden + 8 * (n - hidden) + 4 * (tensors - hidden_tensors)
+
+
+def param_tensor_count(cfg: ModelConfig) -> int:
+    """Number of distinct parameter tensors (a tied head is the embedding's own)."""
+    norm_scale = 2 if cfg.norm == "layernorm" and cfg.bias else 1
+    per_layer = 4 + (4 if cfg.bias else 0) + 2 * norm_scale + (2 * norm_scale if cfg.qk_norm else 0)
+    outside = 1 + (cfg.pos_emb == "learned") + (not cfg.tie_embeddings) + norm_scale
+    return cfg.n_layer * per_layer + outside
+
+
+def _norm_bytes(cfg: ModelConfig, precision: str) -> int:
+    """Bytes one norm saves per token: RMSNorm upcasts, so its input and output are fp32."""
+    if cfg.norm == "rmsnorm":
+        return 2 * cfg.n_embd * 4 + 4  # fp32 input and normalised input, rstd
+    return cfg.n_embd * (2 if precision == "bf16" else 4) + 2 * 4  # input, mean and rstd
+
+
+def layer_activation_bytes(cfg: ModelConfig, precision: str = "amp-bf16") -> int:
+    """Bytes one block saves for backward, per token, with a fused attention kernel, no dropout.
+
+    Counted from what autograd keeps in kiln's block (the test measures it with saved-tensor
+    hooks): the two norms (see `_norm_bytes`); the qkv and MLP inputs, d each; the qkv output,
+    q_out + 2·kv_out, kept whole because v is a view of it; the rotated q and k with RoPE,
+    q_out + kv_out; the attention output, q_out (the projection's input is a view of it) and
+    its log-sum-exp, H fp32 values; the MLP hidden, 4·F for SwiGLU (gate‖up, silu(gate), the
+    product) or 2·F for GELU. Matmul-side tensors are 16-bit under autocast, the residual side
+    stays fp32. Korthikanti et al. (2022) count the same tensors for GPT-3 (34·s·b·h bytes per
+    layer with dropout masks, which kiln does not have, plus 5·a·s²·b for a materialised
+    softmax, which a fused kernel does not keep). With qk_norm see `_qk_norm_bytes`.
+    """
+    act = 4 if precision == "fp32" else 2
+    d, ff, n_head = cfg.n_embd, cfg.ff_size, cfg.n_head
+    q_out, kv_out = n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
+    elements = 2 * d + (q_out + 2 * kv_out) + q_out
+    elements += q_out + kv_out if cfg.pos_emb == "rope" else 0
+    elements += 4 * ff if cfg.mlp == "swiglu" else 2 * ff
+    return 2 * _norm_bytes(cfg, precision) + elements * act + 4 * n_head + _qk_norm_bytes(cfg)
+
+
+def _qk_norm_bytes(cfg: ModelConfig) -> int:
+    """What per-head q/k norms add per token: fp32 copies and per-head statistics.
+
+    Measured in fp32; under autocast the true figure is a few percent of a block higher (the
+    norms keep extra bf16 copies), which this count leaves out.
+    """
+    if not cfg.qk_norm:
+        return 0
+    q_out, kv_out = cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
+    heads = cfg.n_head + cfg.kv_heads
+    if cfg.norm == "rmsnorm":
+        return 4 * (2 * q_out + kv_out + heads)
+    return 4 * (q_out + 2 * heads)
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "amp-bf16",
+    checkpointing: bool = False,
+) -> int:
+    """Bytes of tensors saved for backward by one micro-batch (the activation memory).
+
+    Without checkpointing every block's saved tensors stay until its backward. With full
+    activation checkpointing (each block recomputed in backward) only the blocks' fp32 inputs
+    are kept, plus one block's saved tensors while it is recomputed. Outside the blocks, per
+    token: the token ids (int64), the final norm, and the fp32 hidden-state gradient that kiln's
+    chunked loss computes in the forward; once per step: that loss's fp32 head-weight gradient,
+    and under autocast the bf16 copies of the block weights and of the RoPE tables.
+    """
+    tokens = micro_batch * seq_len
+    per_layer = layer_activation_bytes(cfg, precision)
+    # Checkpointing keeps each block's fp32 input, and one block's tensors while recomputing it.
+    kept = cfg.n_layer * cfg.n_embd * 4 + per_layer if checkpointing else cfg.n_layer * per_layer
+    outside = 8 + _norm_bytes(cfg, precision) + 4 * cfg.n_embd
+    fixed = 4 * cfg.padded_vocab_size * cfg.n_embd
+    fixed += 8 * seq_len if cfg.pos_emb == "learned" else 0  # position ids, shared by the batch
+    if precision == "amp-bf16":
+        head_matmul = cfg.padded_vocab_size * cfg.n_embd
+        fixed += 2 * (cfg.num_matmul_params() - head_matmul)
+        if cfg.pos_emb == "rope":  # cos and sin cast for q and for k, in every layer
+            fixed += cfg.n_layer * 4 * seq_len * cfg.head_size * 2
+    return tokens * (kept + outside) + fixed
+
+
+def memory_estimate(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "amp-bf16",
+    optimizer: str = "adamw",
+    checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Training memory of one replica running micro-batches of `micro_batch` × `seq_len`."""
+    if precision not in PRECISION_BYTES:
+        raise KilnError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {precision!r}")
+    w, g, master = PRECISION_BYTES[precision]
+    n = cfg.num_params()
+    return MemoryEstimate(
+        weights=w * n,
+        gradients=g * n,
+        master_weights=master * n,
+        optimizer=optimizer_state_bytes(cfg, optimizer),
+        activations=activation_bytes(cfg, micro_batch, seq_len, precision, checkpointing),
+        activation_checkpointing=checkpointing,
+    )

@@ -1,0 +1,346 @@
+"""`kiln scaling account|plan|sweep|run|fit`: accounting, plans, IsoFLOP sweeps and their fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+ACCOUNT_EXAMPLES = """examples:
+  kiln scaling account gpt2-124m --seq-len 1024 --micro-batch 8
+  kiln scaling account llama-1b --seq-len 4096
+  kiln scaling account configs/tiny.toml          # a train config: its model, seq_len, batch
+  kiln scaling account model.json --json"""
+
+PLAN_EXAMPLES = """examples:
+  kiln scaling plan --flops 1e21 --gpu h100 --n 8 --mfu 0.4
+  kiln scaling plan --params 1e9 --law epoch --gpu a100 --n 64
+  kiln scaling plan --tokens 2e11 --law 20x --family gpt2 --seq-len 1024"""
+
+SWEEP_EXAMPLES = """examples:
+  kiln scaling sweep --base configs/tiny.toml --set data.dataset=data/tiny \\
+      --budgets 3e11,1e12 --sizes 1x32,2x64,3x96 --out sweeps/tiny --run
+  kiln scaling run sweeps/tiny                   # train what is not finished yet
+  kiln scaling fit sweeps/tiny --out sweeps/tiny/fit"""
+
+RUN_EXAMPLES = """examples:
+  kiln scaling run sweeps/tiny     # skips finished runs, resumes an interrupted one"""
+
+FIT_EXAMPLES = """examples:
+  kiln scaling fit sweeps/tiny --out sweeps/tiny/fit
+  kiln scaling fit results.csv --out fit --starts 0   # columns: params,tokens,budget,loss"""
+
+
+def register(sub: Any) -> None:
+    """Add `kiln scaling` and its subcommands to the `kiln` parser."""
+    from kiln.cli import add_command_group, add_subcommand
+
+    group = add_command_group(
+        sub, "scaling", "parameter/FLOP/memory accounting, compute-optimal plans, scaling fits",
+        "Accounting of a model config, compute-optimal plans (Chinchilla, Epoch AI, 20 tokens\n"
+        "per parameter), IsoFLOP sweeps trained with kiln's trainer, and scaling-law fits.",
+        "kiln scaling plan --flops 1e21 --gpu h100 --n 8",
+    )  # fmt: skip
+    p = add_subcommand(
+        group, "account", "parameters by component, FLOPs per token, training memory",
+        ACCOUNT_EXAMPLES,
+    )  # fmt: skip
+    p.add_argument("model", metavar="MODEL", help="preset name, model config (.json/.toml), or "
+                   "a train config TOML")  # fmt: skip
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: block_size)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(handler=run_account)
+
+    p = add_subcommand(group, "plan", "compute-optimal N and D, a model shape, time and cost",
+                       PLAN_EXAMPLES)  # fmt: skip
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--flops", type=float, help="training compute C in FLOPs")
+    given.add_argument("--params", type=float, help="model size N in parameters")
+    given.add_argument("--tokens", type=float, help="training tokens D")
+    p.add_argument("--law", default="chinchilla", help="chinchilla (default), epoch or 20x")
+    p.add_argument("--gpu", default="h100", help="accelerator (h100, h100-pcie, h200, b200, "
+                   "a100, l40s, v100, ...)")  # fmt: skip
+    p.add_argument("--n", type=int, default=8, help="number of GPUs (default 8)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (default 0.4)")
+    p.add_argument("--precision", default="bf16", help="peak to use: bf16 (default), fp8, ...")
+    p.add_argument("--family", default="llama", help="shape family: llama (default) or gpt2")
+    p.add_argument("--vocab-size", type=int, help="vocabulary (default: the family's presets')")
+    p.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
+    p.add_argument("--usd-per-gpu-hour", type=float, help="price, to print a cost")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=run_plan)
+
+    p = add_subcommand(group, "sweep", "write (and optionally run) an IsoFLOP sweep",
+                       SWEEP_EXAMPLES)  # fmt: skip
+    p.add_argument("--base", required=True, metavar="CONFIG.toml", help="base train config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a base config value (repeatable)")  # fmt: skip
+    p.add_argument("--budgets", required=True, help="FLOP budgets, e.g. 1e12,3e12,1e13")
+    p.add_argument("--sizes", required=True, help="shapes N_LAYERxN_EMBD, e.g. 1x32,2x64,4x128")
+    p.add_argument("--out", required=True, metavar="DIR", help="sweep directory")
+    p.add_argument("--min-steps", type=int, default=5, help="leave out runs shorter than this")
+    p.add_argument("--run", action="store_true", help="train the runs now")
+    p.add_argument("--force", action="store_true", help="replace an existing sweep.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_sweep_cmd)
+
+    p = add_subcommand(group, "run", "train a sweep's unfinished runs", RUN_EXAMPLES)
+    p.add_argument("sweep", metavar="DIR", help="sweep directory (with sweep.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run_run)
+
+    p = add_subcommand(group, "fit", "fit IsoFLOP parabolas, power laws and L(N, D); plot them",
+                       FIT_EXAMPLES)  # fmt: skip
+    p.add_argument("results", metavar="RESULTS", help="results.csv or a sweep directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="where fit.json and PNGs go")
+    p.add_argument("--starts", type=int, default=64,
+                   help="L-BFGS runs, from the best-scoring points of Hoffmann et al.'s grid "
+                   "of 5,400 starts (default 64; 0: all of them)")  # fmt: skip
+    p.add_argument(
+        "--min-budget",
+        type=float,
+        default=0.0,
+        help="leave out runs of budgets below this many FLOPs (e.g. step-starved ones)",
+    )
+    p.add_argument(
+        "--keep-extrapolated",
+        action="store_true",
+        help="use IsoFLOP minima outside a budget's sizes in the power laws too",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing fit.json")
+    p.set_defaults(handler=run_fit)
+
+
+# ---- account -----------------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> tuple[Any, int | None, int | None]:
+    """(ModelConfig, seq_len, micro_batch) from a preset, a model config, or a train config."""
+    from kiln.model.config import PRESETS, ModelConfig
+
+    if spec in PRESETS:
+        return ModelConfig.preset(spec), None, None
+    path = Path(spec)
+    if not path.is_file():
+        raise KilnError(f"{spec}: neither a preset ({', '.join(PRESETS)}) nor a file")
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise KilnError(f"{path}: not valid TOML ({exc})") from None
+        if "data" in data and isinstance(data.get("model"), dict):
+            return _train_config_model(path)
+    return ModelConfig.load(path), None, None
+
+
+def _train_config_model(path: Path) -> tuple[Any, int | None, int | None]:
+    """The model of a train config, with the dataset's vocabulary when it is not set."""
+    from kiln.train.config import load_train_config
+
+    cfg = load_train_config(path)
+    vocab = None
+    if "vocab_size" not in cfg.model:
+        from kiln.data import Dataset
+
+        try:
+            vocab = Dataset.open(cfg.data.dataset).vocab_size
+        except KilnError:
+            raise KilnError(
+                f"{path}: model.vocab_size is unset and the dataset {cfg.data.dataset} cannot "
+                "be opened to read it; set model.vocab_size"
+            ) from None
+    return cfg.model_config(vocab), cfg.data.seq_len, cfg.batch.micro_batch
+
+
+def account_report(cfg: Any, seq_len: int, micro_batch: int) -> dict[str, Any]:
+    """Everything `kiln scaling account` prints, as plain data."""
+    from kiln.scaling.accounting import (
+        PRECISION_BYTES,
+        flop_count,
+        memory_estimate,
+        non_embedding_params,
+        param_breakdown,
+    )
+
+    full, causal = flop_count(cfg, seq_len), flop_count(cfg, seq_len, causal=True)
+    memory = {}
+    for precision in PRECISION_BYTES:
+        for ckpt in (False, True):
+            m = memory_estimate(cfg, micro_batch, seq_len, precision, "adamw", ckpt)
+            memory[f"{precision}{' +ckpt' if ckpt else ''}"] = {
+                "weights": m.weights, "gradients": m.gradients, "master": m.master_weights,
+                "optimizer": m.optimizer, "activations": m.activations, "total": m.total,
+            }  # fmt: skip
+    return {
+        "params": {
+            **param_breakdown(cfg),
+            "total": cfg.num_params(),
+            "non_embedding": non_embedding_params(cfg),
+            "matmul": cfg.num_matmul_params(),
+        },
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "flops_per_token": {
+            "forward_matmul": full.forward_matmul,
+            "forward_attention": full.forward_attention,
+            "forward": full.forward,
+            "backward": full.backward,
+            "total": full.total,
+            "six_n": full.six_n,
+            "total_causal": causal.total,
+        },
+        "memory_bytes": memory,
+    }
+
+
+def run_account(args: argparse.Namespace) -> int:
+    """Print the accounting tables (or JSON)."""
+    cfg, seq_len, micro_batch = load_model(args.model)
+    seq_len = args.seq_len or seq_len or cfg.block_size
+    micro_batch = args.micro_batch or micro_batch or 1
+    if seq_len < 1 or micro_batch < 1:
+        raise KilnError("--seq-len and --micro-batch must be >= 1")
+    report = account_report(cfg, seq_len, micro_batch)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    total = report["params"]["total"]
+    print(f"parameters ({cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads)")
+    for name in ("embeddings", "attention", "mlp", "norms", "head", "total"):
+        value = report["params"][name]
+        print(f"  {name:<14}{value:>16,}  {100 * value / total:5.1f}%")
+    print(f"  {'non-embedding':<14}{report['params']['non_embedding']:>16,}")
+    f = report["flops_per_token"]
+    print(f"\nFLOPs per token at T = {seq_len} (2 per multiply-add; attention over full T×T)")
+    for label, key in (("forward: matmuls", "forward_matmul"),
+                       ("forward: attention", "forward_attention"), ("forward", "forward"),
+                       ("backward (2×fwd)", "backward"), ("training total", "total"),
+                       ("causal total", "total_causal"), ("6N approximation", "six_n")):  # fmt: skip
+        print(f"  {label:<20}{f[key]:>18,.0f}  {f[key] / f['total']:6.3f}× total")
+    biggest = max(parts["total"] for parts in report["memory_bytes"].values())
+    unit, scale = ("GiB", 2**30) if biggest >= 2**30 else ("MiB", 2**20)
+    print(f"\ntraining memory, AdamW, micro-batch {micro_batch} × {seq_len} tokens ({unit})")
+    cols = ("weights", "gradients", "master", "optimizer", "activations", "total")
+    print(f"  {'precision':<16}" + "".join(f"{c:>12}" for c in cols))
+    for name, parts in report["memory_bytes"].items():
+        print(f"  {name:<16}" + "".join(f"{parts[c] / scale:>12.3f}" for c in cols))
+    print("  (amp-bf16 = kiln's trainer: fp32 weights, bf16 autocast; bf16 = 16-bit weights "
+          "with an fp32 master copy; +ckpt = activation checkpointing per block)")  # fmt: skip
+    return 0
+
+
+# ---- plan --------------------------------------------------------------------------------------
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print a compute-optimal plan."""
+    from kiln.hardware import accelerator
+    from kiln.scaling.laws import get_law
+    from kiln.scaling.plan import make_plan
+
+    plan = make_plan(
+        get_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
+        gpu=accelerator(args.gpu), n_gpus=args.n, mfu=args.mfu, precision=args.precision,
+        family=args.family, vocab_size=args.vocab_size, seq_len=args.seq_len,
+    )  # fmt: skip
+    cost = None if args.usd_per_gpu_hour is None else plan.gpu_hours * args.usd_per_gpu_hour
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "usd": cost}, indent=2))
+        return 0
+    s = plan.shape
+    loss = f"; predicted loss {plan.loss:.3f} (on the law's own data)" if plan.loss else ""
+    print(f"law          {plan.law}{loss}")
+    print(f"compute      C = {plan.flops:.3g} FLOPs (6·N·D)")
+    print(f"parameters   N = {plan.params:.3g}")
+    print(f"tokens       D = {plan.tokens:.3g} ({plan.tokens / plan.params:.1f} per parameter)")
+    print(f"shape        {args.family} {s.label}: n_layer {s.config.n_layer}, n_embd "
+          f"{s.config.n_embd}, n_head {s.config.n_head}, kv heads {s.config.kv_heads}, d_ff "
+          f"{s.config.ff_size}, vocab {s.config.vocab_size:,} -> {s.params:,} parameters")  # fmt: skip
+    print(f"exact FLOPs  {plan.train_flops:.3g} (with attention at T = {args.seq_len})")
+    print(f"time         {_duration(plan.seconds)} on {plan.n_gpus} × {plan.gpu} "
+          f"({plan.precision}, MFU {plan.mfu:.0%}) = {plan.gpu_hours:,.0f} GPU-hours")  # fmt: skip
+    print(
+        f"memory/GPU   {plan.memory_per_gpu / 2**30:.1f} GiB (states sharded over "
+        f"{plan.n_gpus} GPUs, AdamW, bf16 autocast, 1 × {args.seq_len} tokens of activations)"
+    )
+    if cost is not None:
+        print(f"cost         ${cost:,.0f} at ${args.usd_per_gpu_hour}/GPU-hour")
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a readable duration."""
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+# ---- sweep, run, fit ---------------------------------------------------------------------------
+
+
+def run_sweep_cmd(args: argparse.Namespace) -> int:
+    """Write the sweep and run it if asked."""
+    from kiln.scaling.sweep import parse_floats, parse_shape, write_sweep
+
+    budgets = parse_floats(args.budgets, "--budgets")
+    shapes = [parse_shape(s) for s in args.sizes.split(",") if s.strip()]
+    runs, notes = write_sweep(
+        args.out, args.base, budgets, shapes, args.set, args.min_steps, args.force
+    )
+    for note in notes:
+        print(f"kiln scaling sweep: note: {note}")
+    for r in runs:
+        print(f"  {r.name:<22}{r.params:>12,} params {r.tokens:>14,} tokens {r.steps:>7,} steps")
+    print(f"kiln scaling sweep: wrote {len(runs)} configs under {Path(args.out) / 'configs'}")
+    if args.run:
+        return run_run(argparse.Namespace(sweep=args.out, no_progress=args.no_progress))
+    print(f"kiln scaling sweep: train them with: kiln scaling run {args.out}")
+    return 0
+
+
+def run_run(args: argparse.Namespace) -> int:
+    """Train the sweep's unfinished runs."""
+    from kiln.scaling.sweep import run_sweep
+
+    rows = run_sweep(args.sweep, progress=not args.no_progress)
+    print(f"kiln scaling run: {len(rows)} results in {Path(args.sweep) / 'results.csv'}")
+    return 0
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """Fit, write fit.json and the PNGs, print the fitted numbers."""
+    from kiln.io import check_can_write, write_json_atomic
+    from kiln.scaling.fit import fit_all, read_points
+    from kiln.scaling.plots import plot_all
+
+    out = Path(args.out)
+    check_can_write(out / "fit.json", args.force)
+    points = [p for p in read_points(args.results) if p.c >= args.min_budget]
+    if not points:
+        raise KilnError(f"no run has a budget of at least --min-budget {args.min_budget:g}")
+    if args.starts < 0:
+        raise KilnError(f"--starts must be >= 0, got {args.starts}")
+    extrapolated = "keep" if args.keep_extrapolated else "drop"
+    report = fit_all(points, top_starts=args.starts or None, extrapolated=extrapolated)
+    write_json_atomic(out / "fit.json", report.to_dict())
+    pngs = plot_all(points, report, out)
+    for p in report.parabolas:
+        vertex = f"N_opt {p.n_opt:.3g}, loss {p.loss_opt:.4f}" if p.has_minimum else "no minimum"
+        print(f"budget {p.budget:.3g}: {p.n_points} runs, {vertex}")
+    if report.n_opt and report.d_opt:
+        print(f"N_opt ∝ C^{report.n_opt.exponent:.3f}, D_opt ∝ C^{report.d_opt.exponent:.3f}")
+    if report.parametric:
+        law = report.parametric.law
+        print(f"L(N, D) = {law.E:.3f} + {law.A:.4g}/N^{law.alpha:.3f} + {law.B:.4g}/D^"
+              f"{law.beta:.3f}  (RMSE of log L {report.parametric.rmse_log:.4f}; "
+              f"N_opt ∝ C^{law.a:.3f})")  # fmt: skip
+    for note in report.notes:
+        print(f"note: {note}")
+    print(f"kiln scaling fit: wrote {out / 'fit.json'}, {', '.join(p.name for p in pngs)}")
+    return 0
