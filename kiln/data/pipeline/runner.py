@@ -274,7 +274,8 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     docs, mixes = _mixture_inputs(cfg, tok_tasks, work)
     repeats, mix_summary = plan_mixture(mixes)
     warnings = [
-        f"source {name!r} has no training tokens left after filtering; its share is not met"
+        f"source {name!r} has no training documents left after filtering"
+        + ("; its share is not met" if m["target_share"] else "")
         for name, m in mix_summary.items()
         if m["tokens_before"] == 0
     ]

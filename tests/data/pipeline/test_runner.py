@@ -309,3 +309,61 @@ def test_cli_runs_prints_the_funnel_and_audits_a_token(
     assert "input " in capsys.readouterr().out
     assert main([*args[:-1], "--set", "seed=3", "--quiet"]) == 2  # changed config, no --force
     assert "--force" in capsys.readouterr().err
+
+
+def test_html_and_warc_sources_are_extracted_and_redacted(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    stories = _stories(shared_data, 4)
+
+    def page(i: int) -> str:
+        body = "".join(f"<p>{p}</p>" for p in stories[i].split("\n"))
+        return (
+            f"<html><head><title>Story {i}</title></head><body><nav><a href='/'>Home</a> | "
+            f"<a href='/about'>About us</a></nav><article><h1>Story {i}</h1>{body}"
+            "<p>Write to admin@example.com or visit 8.8.8.8 today.</p></article>"
+            "<footer>Copyright 2024 Example Corp. All rights reserved.</footer></body></html>"
+        )
+
+    (tmp_path / "pages").mkdir()
+    for i in range(2):
+        (tmp_path / "pages" / f"p{i}.html").write_text(page(i), encoding="utf-8")
+    records = b""
+    for i in (2, 3):
+        http = b"HTTP/1.1 200 OK\r\nContent-Type: text/html; charset=utf-8\r\n\r\n"
+        http += page(i).encode()
+        records += (
+            (
+                f"WARC/1.0\r\nWARC-Type: response\r\nWARC-Target-URI: http://example.com/{i}\r\n"
+                f"WARC-Record-ID: <urn:uuid:{i}>\r\nContent-Type: application/http; "
+                f"msgtype=response\r\nContent-Length: {len(http)}\r\n\r\n"
+            ).encode()
+            + http
+            + b"\r\n\r\n"
+        )
+    (tmp_path / "crawl.warc.gz").write_bytes(gzip.compress(records))
+    (tmp_path / "p.toml").write_text(
+        f"""
+[[sources]]
+name = "pages"
+paths = ["pages/*.html"]
+[[sources]]
+name = "crawl"
+paths = ["crawl.warc.gz"]
+[split]
+val_fraction = 0.0
+[tokenize]
+tokenizer = "{shared_data}/gpt2/vocab.json"
+""",
+        encoding="utf-8",
+    )
+    cfg = load_pipeline_config(tmp_path / "p.toml")
+    run_pipeline(cfg, RunOptions(out=str(tmp_path / "out"), progress=False))
+    ds = Dataset.open(tmp_path / "out")
+    tok = read_any(shared_data / "gpt2" / "vocab.json")
+    texts = [tok.decode(ds.split("train").document(i).tolist()) for i in range(4)]
+    assert sorted(src.path for src in ds.manifest.sources) == ["crawl", "pages"]
+    for text in texts:
+        assert "About us" not in text and "All rights reserved" not in text  # boilerplate gone
+        assert "Write to <EMAIL> or visit <IP> today." in text  # PII redacted
+    assert any(stories[2][:80] in t for t in texts) and any(stories[0][:80] in t for t in texts)
