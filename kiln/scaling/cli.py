@@ -100,7 +100,7 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="where fit.json and PNGs go")
     p.add_argument("--starts", type=int, default=64,
                    help="L-BFGS runs, from the best-scoring points of Hoffmann et al.'s grid "
-                   "of 5,400 starts (default 64; 0: all of them)")  # fmt: skip
+                   "of 4,500 starts (default 64; 0: all of them)")  # fmt: skip
     p.add_argument(
         "--min-budget",
         type=float,
@@ -263,10 +263,12 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{s.config.ff_size}, vocab {s.config.vocab_size:,} -> {s.params:,} parameters")  # fmt: skip
     print(f"exact FLOPs  {plan.train_flops:.3g} (with attention at T = {args.seq_len})")
     print(f"time         {_duration(plan.seconds)} on {plan.n_gpus} × {plan.gpu} "
-          f"({plan.precision}, MFU {plan.mfu:.0%}) = {plan.gpu_hours:,.0f} GPU-hours")  # fmt: skip
+          f"({plan.precision}, MFU {plan.mfu:.0%}) = {plan.gpu_hours:,.0f} GPU-hours, from the "
+          f"exact FLOPs ({_duration(plan.seconds_6nd)} from 6·N·D)")  # fmt: skip
+    activations = "fp32" if plan.precision in ("fp32", "tf32") else "bf16 autocast"
     print(
         f"memory/GPU   {plan.memory_per_gpu / 2**30:.1f} GiB (states sharded over "
-        f"{plan.n_gpus} GPUs, AdamW, bf16 autocast, 1 × {args.seq_len} tokens of activations)"
+        f"{plan.n_gpus} GPUs, AdamW, {activations}, 1 × {args.seq_len} tokens of activations)"
     )
     if cost is not None:
         print(f"cost         ${cost:,.0f} at ${args.usd_per_gpu_hour}/GPU-hour")

@@ -51,8 +51,13 @@ class Plan:
     n_gpus: int
     mfu: float
     precision: str
-    seconds: float
+    seconds: float  # from the exact FLOPs (the count kiln's trainer measures MFU against)
     memory_per_gpu: float  # weights+grads+optimizer sharded over the GPUs, plus activations
+
+    @property
+    def seconds_6nd(self) -> float:
+        """Wall-clock seconds if training cost exactly C = 6·N·D (the textbook estimate)."""
+        return self.seconds * self.flops / self.train_flops
 
     @property
     def gpu_hours(self) -> float:
@@ -67,6 +72,7 @@ class Plan:
             "shape": self.shape.config.to_dict(), "shape_params": self.shape.params,
             "train_flops": self.train_flops, "gpu": self.gpu, "n_gpus": self.n_gpus,
             "mfu": self.mfu, "precision": self.precision, "seconds": self.seconds,
+            "seconds_6nd": self.seconds_6nd,
             "gpu_hours": self.gpu_hours, "memory_per_gpu_bytes": self.memory_per_gpu,
         }  # fmt: skip
 
@@ -157,7 +163,9 @@ def make_plan(
     shape = find_shape(n_opt, family, vocab_size, seq_len)
     train_flops = shape.config.flops_per_token(seq_len) * d_opt
     seconds = train_flops / (gpu.peak(precision) * n_gpus * mfu)
-    mem = memory_estimate(shape.config, micro_batch, seq_len, "amp-bf16")
+    # fp32 training keeps fp32 activations; every 16/8-bit peak assumes kiln's bf16 autocast.
+    mem_precision = "fp32" if precision in ("fp32", "tf32") else "amp-bf16"
+    mem = memory_estimate(shape.config, micro_batch, seq_len, mem_precision)
     loss = law.loss(n_opt, d_opt) if isinstance(law, ScalingLaw) else None
     return Plan(
         law=law.name, flops=flops, params=n_opt, tokens=d_opt, loss=loss, shape=shape,
