@@ -8,9 +8,12 @@ a finished `<out>` only once the new one is complete).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ from kiln.data.pipeline.tasks import (
 from kiln.data.pipeline.writer import write_dataset
 from kiln.data.tokenize_shards import install_dataset
 from kiln.errors import KilnError
-from kiln.io import write_json_atomic
+from kiln.io import sha256_file, write_json_atomic
 
 RUN_FILE = "run.json"
 PIPELINE_DIR = "pipeline"
@@ -70,9 +73,27 @@ def _read_digest(directory: Path) -> str | None:
         return None
 
 
+def run_digest(cfg: PipelineConfig) -> str:
+    """The config's digest plus the contents of the files it names besides the inputs (the
+    tokenizer, evaluation sets, a bad-words list): replacing one at the same path is a change."""
+    parts = [cfg.digest()]
+    named = [cfg.tokenize.tokenizer, *cfg.decontaminate.eval_files]
+    if cfg.quality.c4.bad_words_file:
+        named.append(cfg.quality.c4.bad_words_file)
+    for path in named:
+        parts.append(sha256_file(path) if os.path.isfile(path) else f"missing:{path}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool:
     """Check what is on disk; return True when `out` is already this config's finished output."""
-    digest = cfg.digest()
+    digest = run_digest(cfg)
+    leftovers = sorted(out.parent.glob(f".{out.name}.old.*")) if out.parent.is_dir() else []
+    if leftovers and not out.exists():
+        raise KilnError(
+            f"{out} is missing but {leftovers[0]} holds the dataset it replaced when a rebuild "
+            f"was cut short; move it back to {out} (or delete it) and run again"
+        )
     if out.exists():
         if not (out / MANIFEST_NAME).is_file() or _read_digest(out) is None:
             raise KilnError(f"{out} exists and is not a `kiln data run` output; choose another")
@@ -85,15 +106,15 @@ def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool
             )
     if partial.exists():
         found = _read_digest(partial)
-        if found != digest:
+        if found is None and any(partial.iterdir()):
+            raise KilnError(f"{partial} exists and is not an unfinished `kiln data run`; move it")
+        if found is not None and found != digest:
             if not force:
                 raise KilnError(
                     f"{partial} holds an unfinished run of a different config; pass --force to "
                     f"discard it and start again"
                 )
             shutil.rmtree(partial)
-        elif force and out.exists():
-            pass  # resuming the forced rebuild of a finished dataset
     (partial / PIPELINE_DIR).mkdir(parents=True, exist_ok=True)
     if _read_digest(partial) is None:
         plain = cfgio.to_dict(cfg)
@@ -115,6 +136,11 @@ def _count_one(args: tuple[InputFile, dict[str, Any]]) -> int:
     return _count_task(*args)
 
 
+def _file_identity(path: str) -> list[Any]:
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns]
+
+
 def _reader_args(cfg: PipelineConfig, source: str) -> dict[str, Any]:
     spec = next(s for s in cfg.sources if s.name == source)
     return {"text_field": spec.text_field, "separator": spec.separator}
@@ -123,15 +149,23 @@ def _reader_args(cfg: PipelineConfig, source: str) -> dict[str, Any]:
 def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -> list[FilterTask]:
     """Split every input file into tasks of `docs_per_task` records (counts kept in plan.json)."""
     files = expand_sources(cfg)
+    identity = [_file_identity(f.path) for f in files]
     plan_path = work / "plan.json"
     if plan_path.is_file():
-        counts = json.loads(plan_path.read_text())["records"]
+        plan = json.loads(plan_path.read_text())
+        if plan.get("identity") != identity:
+            raise KilnError(
+                f"the input files changed since this run started ({plan_path} lists "
+                f"{len(plan.get('identity', []))} files, by path, size and time); pass --force "
+                f"to start again"
+            )
+        counts = plan["records"]
     else:
         jobs = [(f, _reader_args(cfg, f.source)) for f in files]
         counts = [0] * len(files)
         for i, n in executor.map(_count_one, jobs, desc="count records", unit="file"):
             counts[i] = n
-        write_json_atomic(plan_path, {"files": [f.path for f in files], "records": counts})
+        write_json_atomic(plan_path, {"identity": identity, "records": counts})
     tasks: list[FilterTask] = []
     for f, n in zip(files, counts, strict=True):
         spec = next(s for s in cfg.sources if s.name == f.source)
@@ -250,6 +284,10 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     if _prepare(out, partial, cfg, opts.force):
         _log(f"{out} is already complete for this config; nothing to do", opts.progress)
         return Manifest.read(out)
+    if (partial / MANIFEST_NAME).is_file():
+        _log(f"{partial} is complete; moving it into place", opts.progress)
+        _install(partial, out)
+        return Manifest.read(out)
     work = partial / "work"
     work.mkdir(parents=True, exist_ok=True)
     executor = make_executor(opts.executor, opts.workers, opts.address, opts.progress)
@@ -282,6 +320,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     _log("writing shards", opts.progress)
+    _write_audit_log(partial, tasks, global_dir)
     stats = {
         "funnel": _funnel(cfg, filter_stats, global_stats),
         "mix": mix_summary,
@@ -289,11 +328,11 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         "read_issues": _merge_issues(filter_stats),
         "histograms": _merge_histograms(filter_stats),
         "removed_samples": _samples(cfg, tasks, global_stats["samples"]),
-        "digest": cfg.digest(),
+        "digest": run_digest(cfg),
         "warnings": warnings,
     }
     manifest = write_dataset(cfg, partial, work, docs, repeats, stats, opts.progress)
-    _finish(partial, out, work, tasks, global_dir)
+    _install(partial, out)
     return manifest
 
 
@@ -345,17 +384,26 @@ def _merge_histograms(filter_stats: list[dict[str, Any]]) -> dict[str, dict[str,
     return merged
 
 
-def _finish(
-    partial: Path, out: Path, work: Path, tasks: list[FilterTask], global_dir: Path
-) -> None:
-    """Gather the audit log, drop intermediate text and tokens, move the dataset into place."""
-    audit = partial / PIPELINE_DIR / "removed.jsonl.zst"
+def _write_audit_log(partial: Path, tasks: list[FilterTask], global_dir: Path) -> None:
+    """Every removal, per-document stages first (in task order), then the global stages."""
 
     def all_removals() -> Any:
         for t in tasks:
             yield from read_records(t.dir / "removed.jsonl.zst")
         yield from read_records(global_dir / "removed.jsonl.zst")
 
-    write_records(audit, all_removals())
-    shutil.rmtree(work)
+    write_records(partial / PIPELINE_DIR / "removed.jsonl.zst", all_removals())
+
+
+def _install(partial: Path, out: Path) -> None:
+    """Set the intermediate files aside, move the finished dataset into place, then delete them.
+
+    `manifest.json` is the last file `write_dataset` writes, so a `.partial` holding one is
+    complete: a run cut short after that point only has this step left to do.
+    """
+    work = partial / "work"
+    if work.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent))
+        os.replace(work, trash / "work")
+        shutil.rmtree(trash)
     install_dataset(partial, out)

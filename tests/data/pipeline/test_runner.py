@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -367,3 +369,62 @@ tokenizer = "{shared_data}/gpt2/vocab.json"
         assert "About us" not in text and "All rights reserved" not in text  # boilerplate gone
         assert "Write to <EMAIL> or visit <IP> today." in text  # PII redacted
     assert any(stories[2][:80] in t for t in texts) and any(stories[0][:80] in t for t in texts)
+
+
+def test_a_run_cut_short_while_moving_into_place_finishes_without_recomputing(
+    corpus: dict[str, Any], baseline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln.data.pipeline import runner
+
+    real_install = runner.install_dataset
+
+    def dies(partial: Path, out: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "install_dataset", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus, tmp_path / "ds", workers=1)
+    monkeypatch.setattr(runner, "install_dataset", real_install)
+    monkeypatch.setattr(runner, "run_filter_task", lambda task: pytest.fail("recomputed"))
+    _run(corpus, tmp_path / "ds", workers=1)
+    assert _fingerprint(tmp_path / "ds") == _fingerprint(baseline)
+    assert not (tmp_path / "ds.partial").exists()
+
+
+def test_resume_refuses_changed_inputs_and_foreign_folders(
+    corpus: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln.data.pipeline import runner
+
+    root = tmp_path / "corpus"
+    shutil.copytree(corpus["root"], root, ignore=shutil.ignore_patterns("out*"))
+    cfg = load_pipeline_config(root / "pipeline.toml")
+    monkeypatch.setattr(runner, "run_global_stages", lambda *a: (_ for _ in ()).throw(SystemExit))
+    with pytest.raises(SystemExit):
+        run_pipeline(cfg, RunOptions(out=str(tmp_path / "ds"), progress=False))
+    monkeypatch.undo()
+    with open(root / "b.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "one more record"}) + "\n")
+    with pytest.raises(KilnError, match="input files changed"):
+        run_pipeline(cfg, RunOptions(out=str(tmp_path / "ds"), progress=False))
+    foreign = tmp_path / "mine.partial"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(KilnError, match="not an unfinished"):
+        run_pipeline(cfg, RunOptions(out=str(tmp_path / "mine"), progress=False, force=True))
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_a_replaced_tokenizer_file_counts_as_a_changed_config(
+    corpus: dict[str, Any], tmp_path: Path, shared_data: Path
+) -> None:
+    from kiln.data.pipeline.runner import run_digest
+
+    cfg = load_pipeline_config(corpus["config"])
+    copy = tmp_path / "vocab.json"
+    copy.write_bytes((shared_data / "gpt2" / "vocab.json").read_bytes())
+    (tmp_path / "merges.txt").write_bytes((shared_data / "gpt2" / "merges.txt").read_bytes())
+    moved = replace(cfg, tokenize=replace(cfg.tokenize, tokenizer=str(copy)))
+    before = run_digest(moved)
+    copy.write_bytes(copy.read_bytes().replace(b'"the"', b'"teh"'))
+    assert run_digest(moved) != before
