@@ -6,7 +6,12 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -428,3 +433,42 @@ def test_a_replaced_tokenizer_file_counts_as_a_changed_config(
     before = run_digest(moved)
     copy.write_bytes(copy.read_bytes().replace(b'"the"', b'"teh"'))
     assert run_digest(moved) != before
+
+
+def test_sigkill_mid_run_then_restart_gives_the_uninterrupted_output(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    with gzip.open(shared_data / "tinystories" / "train.txt.gz", "rt", encoding="utf-8") as f:
+        text = f.read(300_000)
+    (tmp_path / "stories.txt").write_text(text[: text.rfind(EOT)], encoding="utf-8")
+    (tmp_path / "p.toml").write_text(
+        f"""
+docs_per_task = 2
+[[sources]]
+name = "stories"
+paths = ["stories.txt"]
+[tokenize]
+tokenizer = "{shared_data}/gpt2/vocab.json"
+""",
+        encoding="utf-8",
+    )
+    cfg = load_pipeline_config(tmp_path / "p.toml")
+    run_pipeline(cfg, RunOptions(out=str(tmp_path / "straight"), progress=False))
+
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "kiln.cli", "data", "run", str(tmp_path / "p.toml")]
+    command += ["--out", str(out), "--workers", "1", "--quiet"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    markers = out.with_name("killed.partial") / "work" / "filter"
+    deadline = time.monotonic() + 120
+    while len(list(markers.glob("*/stats.json"))) < 5 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    done_before = len(list(markers.glob("*/stats.json")))
+    assert not out.exists()
+
+    restarted = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert f"filter: {done_before} of " in restarted.stderr  # only the rest was redone
+    assert _fingerprint(out) == _fingerprint(tmp_path / "straight")
