@@ -208,13 +208,7 @@ def compare_filter(name: str, texts: Sequence[str], kiln: Any, peer: Any) -> dic
     both_kept = [i for i in range(n) if k_keep[i] and p_keep[i]]
     out = {
         "filter": name,
-        "docs": n,
-        "kiln_cpu_s": k_cpu,
-        "datatrove_cpu_s": p_cpu,
-        "kiln_docs_per_cpu_s": n / k_cpu,
-        "datatrove_docs_per_cpu_s": n / p_cpu,
-        "speed_ratio": p_cpu / k_cpu,
-        "agreement": sum(a == b for a, b in zip(k_keep, p_keep, strict=True)) / n,
+        **_speed_and_agreement(k_cpu, p_cpu, k_keep, p_keep),
         "kiln_removed": n - sum(k_keep),
         "datatrove_removed": n - sum(p_keep),
         "only_kiln_removed": sum(p and not k for k, p in zip(k_keep, p_keep, strict=True)),
@@ -228,6 +222,22 @@ def compare_filter(name: str, texts: Sequence[str], kiln: Any, peer: Any) -> dic
         same = sum(kdocs[i].text == pdocs[i].text for i in both_kept)
         out["c4_same_text_when_both_keep"] = same / len(both_kept)
     return out
+
+
+def _speed_and_agreement(
+    k_cpu: float, p_cpu: float, k_keep: Sequence[bool], p_keep: Sequence[bool]
+) -> dict[str, Any]:
+    """Docs per CPU-second on both sides, their ratio, and how often the verdicts agree."""
+    n = len(k_keep)
+    return {
+        "docs": n,
+        "kiln_cpu_s": k_cpu,
+        "datatrove_cpu_s": p_cpu,
+        "kiln_docs_per_cpu_s": n / k_cpu,
+        "datatrove_docs_per_cpu_s": n / p_cpu,
+        "speed_ratio": p_cpu / k_cpu,
+        "agreement": sum(a == b for a, b in zip(k_keep, p_keep, strict=True)) / n,
+    }
 
 
 def compare_chain(texts: Sequence[str], kiln: dict[str, Any], peer: dict[str, Any]) -> dict:
@@ -244,15 +254,8 @@ def compare_chain(texts: Sequence[str], kiln: dict[str, Any], peer: dict[str, An
     k_cpu, k_keep = timed(run_kiln, kiln_docs(texts))
     _clear_datatrove_cache()
     p_cpu, p_keep = timed(run_peer, datatrove_docs(texts))
-    n = len(texts)
     return {
-        "docs": n,
-        "kiln_cpu_s": k_cpu,
-        "datatrove_cpu_s": p_cpu,
-        "kiln_docs_per_cpu_s": n / k_cpu,
-        "datatrove_docs_per_cpu_s": n / p_cpu,
-        "speed_ratio": p_cpu / k_cpu,
-        "agreement": sum(a == b for a, b in zip(k_keep, p_keep, strict=True)) / n,
+        **_speed_and_agreement(k_cpu, p_cpu, k_keep, p_keep),
         "kiln_kept": sum(k_keep),
         "datatrove_kept": sum(p_keep),
     }

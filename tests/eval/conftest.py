@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,14 @@ from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer, train_bpe
+from tests.fixtures import single_torch_thread
 
 EOT = "<|endoftext|>"
 TEXT = "Once upon a time, a little fox found a red ball. 🦊 She was happy!"
 ASSET = Path(__file__).resolve().parents[2] / "kiln" / "assets" / "tinystories_valid.txt.gz"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny model's ops are too small to share, and sums are ordered."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True)(single_torch_thread)
 
 
 @pytest.fixture(scope="session")

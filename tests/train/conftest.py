@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import gzip
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
-from kiln.tokenizer import train_bpe
 from kiln.train.config import TrainConfig, load_train_config
+from tests.fixtures import single_torch_thread, tiny_story_dataset
 
-EOT = "<|endoftext|>"
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: a tiny model's ops are too small to share, and the order is fixed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True)(single_torch_thread)
 
 
 @pytest.fixture(scope="session")
@@ -33,22 +23,7 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = SHARED_DATA / "tinystories" / "valid.txt.gz"
     if not source.is_file():
         pytest.skip(f"shared data not found at {source}")
-    with gzip.open(source, "rt", encoding="utf-8") as handle:
-        text = handle.read(40_000)
-    text = text[: text.rfind(EOT) + len(EOT)]  # whole stories only
-    root = tmp_path_factory.mktemp("tinystories")
-    corpus = root / "stories.txt"
-    corpus.write_text(text, encoding="utf-8")
-    tok = train_bpe(corpus, 300, special_tokens=[EOT])
-    tok.save(root / "tok.json")
-    out = root / "shards"
-    tokenize_to_shards(
-        TokenizeConfig(
-            tokenizer=str(root / "tok.json"), inputs=(str(corpus),), out=str(out), val_docs=4,
-            workers=1, progress=False,
-        )
-    )  # fmt: skip
-    return out
+    return tiny_story_dataset(source, tmp_path_factory.mktemp("tinystories"), 40_000)
 
 
 MakeConfig = Callable[..., TrainConfig]

@@ -8,6 +8,7 @@ nearly duplicates a validation document is the one removed.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -80,19 +81,19 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
     records, samples = _removal_records(cfg, removals, ids, task_of, local, keys, task_dirs)
     write_records(out_dir / "removed.jsonl.zst", records)
 
+    reasons: dict[str, Counter[str]] = {}
+    by_source: dict[str, Counter[str]] = {}
+    for r in records:
+        reasons.setdefault(r["stage"], Counter())[r["reason"]] += 1
+        by_source.setdefault(r["stage"], Counter())[r["source"]] += 1
+
     def row(stage: str, before: int, after: int) -> dict[str, Any]:
-        reasons: dict[str, int] = {}
-        by_source: dict[str, int] = {}
-        for r in records:
-            if r["stage"] == stage:
-                reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-                by_source[r["source"]] = by_source.get(r["source"], 0) + 1
         return {
             "stage": stage,
             "in": before,
             "kept": after,
-            "removed": reasons,
-            "by_source": by_source,
+            "removed": dict(reasons.get(stage, {})),
+            "by_source": dict(by_source.get(stage, {})),
         }
 
     funnel = [

@@ -206,10 +206,8 @@ def _load_stats(task_dir: Path) -> dict[str, Any]:
     return json.loads((task_dir / STATS).read_text())
 
 
-def _mixture_inputs(
-    cfg: PipelineConfig, tok_tasks: list[TokenizeTask], work: Path
-) -> tuple[list[dict[str, Any]], list[SourceMix]]:
-    """Per surviving document: where its tokens are, and each source's train documents."""
+def _surviving_documents(tok_tasks: list[TokenizeTask], work: Path) -> list[dict[str, Any]]:
+    """Every document that survived, in task order: its record, split and where its tokens are."""
     docs: list[dict[str, Any]] = []
     for t in tok_tasks:
         lengths = np.load(t.dir / "lengths.npy")
@@ -223,21 +221,33 @@ def _mixture_inputs(
                 split="val" if is_val[j] else "train",
             )
             docs.append(record)
-    mixes = []
-    for spec in cfg.sources:
-        train = [d for d in docs if d["source"] == spec.name and d["split"] == "train"]
-        mixes.append(
-            SourceMix(
-                name=spec.name,
-                share=spec.share,
-                rate=spec.rate,
-                order_keys=np.array(
-                    [unit_interval(cfg.seed, "mix", d["id"]) for d in train], dtype=np.float64
-                ),
-                lengths=np.array([d["length"] for d in train], dtype=np.int64),
-            )
+    return docs
+
+
+def _copies(cfg: PipelineConfig, docs: list[dict[str, Any]]) -> tuple[np.ndarray, dict[str, Any]]:
+    """How many times each document is written (validation: once), and the mixture summary."""
+    train_of: dict[str, list[int]] = {spec.name: [] for spec in cfg.sources}
+    for i, d in enumerate(docs):
+        if d["split"] == "train":
+            train_of[d["source"]].append(i)
+    mixes = [
+        SourceMix(
+            name=spec.name,
+            share=spec.share,
+            rate=spec.rate,
+            order_keys=np.array(
+                [unit_interval(cfg.seed, "mix", docs[i]["id"]) for i in train_of[spec.name]],
+                dtype=np.float64,
+            ),
+            lengths=np.array([docs[i]["length"] for i in train_of[spec.name]], dtype=np.int64),
         )
-    return docs, mixes
+        for spec in cfg.sources
+    ]
+    repeats, summary = plan_mixture(mixes)
+    copies = np.ones(len(docs), dtype=np.int64)
+    for name, indices in train_of.items():
+        copies[np.array(indices, dtype=np.int64)] = repeats[name]
+    return copies, summary
 
 
 def _funnel(
@@ -309,8 +319,8 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     finally:
         executor.close()
     tok_stats = [_load_stats(t.dir) for t in tok_tasks]
-    docs, mixes = _mixture_inputs(cfg, tok_tasks, work)
-    repeats, mix_summary = plan_mixture(mixes)
+    docs = _surviving_documents(tok_tasks, work)
+    copies, mix_summary = _copies(cfg, docs)
     warnings = [
         f"source {name!r} has no training documents left after filtering"
         + ("; its share is not met" if m["target_share"] else "")
@@ -320,35 +330,21 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     _log("writing shards", opts.progress)
-    _write_audit_log(partial, tasks, global_dir)
+    samples = _write_audit_log(cfg, partial, tasks, global_dir)
+    samples.update(global_stats["samples"])  # the global stages chose theirs when they ran
     stats = {
         "funnel": _funnel(cfg, filter_stats, global_stats),
         "mix": mix_summary,
         "decontamination": _merge_decontam(tok_stats),
         "read_issues": _merge_issues(filter_stats),
         "histograms": _merge_histograms(filter_stats),
-        "removed_samples": _samples(cfg, tasks, global_stats["samples"]),
+        "removed_samples": samples,
         "digest": run_digest(cfg),
         "warnings": warnings,
     }
-    manifest = write_dataset(cfg, partial, work, docs, repeats, stats, opts.progress)
+    manifest = write_dataset(cfg, partial, work, docs, copies, stats, opts.progress)
     _install(partial, out)
     return manifest
-
-
-def _samples(
-    cfg: PipelineConfig, tasks: list[FilterTask], global_samples: dict[str, list[Any]]
-) -> dict[str, list[dict[str, Any]]]:
-    """A few removed documents per (stage, reason), the first in input order."""
-    samples: dict[str, list[dict[str, Any]]] = {}
-    for t in tasks:
-        for record in read_records(t.dir / "removed.jsonl.zst"):
-            if "excerpt" in record:
-                bucket = samples.setdefault(f"{record['stage']}/{record['reason']}", [])
-                if len(bucket) < cfg.removed_samples:
-                    bucket.append(record)
-    samples.update(global_samples)
-    return samples
 
 
 def _merge_decontam(tok_stats: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -384,15 +380,25 @@ def _merge_histograms(filter_stats: list[dict[str, Any]]) -> dict[str, dict[str,
     return merged
 
 
-def _write_audit_log(partial: Path, tasks: list[FilterTask], global_dir: Path) -> None:
-    """Every removal, per-document stages first (in task order), then the global stages."""
+def _write_audit_log(
+    cfg: PipelineConfig, partial: Path, tasks: list[FilterTask], global_dir: Path
+) -> dict[str, list[dict[str, Any]]]:
+    """Write every removal (per-document stages in task order, then the global stages) and
+    return a few examples per (stage, reason): the first in input order that carry an excerpt."""
+    samples: dict[str, list[dict[str, Any]]] = {}
 
     def all_removals() -> Any:
         for t in tasks:
-            yield from read_records(t.dir / "removed.jsonl.zst")
+            for record in read_records(t.dir / "removed.jsonl.zst"):
+                if "excerpt" in record:
+                    bucket = samples.setdefault(f"{record['stage']}/{record['reason']}", [])
+                    if len(bucket) < cfg.removed_samples:
+                        bucket.append(record)
+                yield record
         yield from read_records(global_dir / "removed.jsonl.zst")
 
     write_records(partial / PIPELINE_DIR / "removed.jsonl.zst", all_removals())
+    return samples
 
 
 def _install(partial: Path, out: Path) -> None:

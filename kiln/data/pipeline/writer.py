@@ -29,18 +29,14 @@ TOKEN_BINS = [2.0**k for k in range(0, 21)]  # document length in tokens, powers
 DOC_MAP_SUFFIX = ".docs.jsonl.zst"
 
 
-def _order(cfg: PipelineConfig, docs: list[dict[str, Any]], repeats: dict[str, np.ndarray]):
-    """(split, sort key, document index, copy) for every copy written, in output order."""
-    cursor = dict.fromkeys(repeats, 0)
+def _order(
+    cfg: PipelineConfig, docs: list[dict[str, Any]], copies: np.ndarray
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Per split, (sort key, document index, copy) for every copy written, in output order."""
     entries: dict[str, list[tuple[int, int, int]]] = {"train": [], "val": []}
     for i, d in enumerate(docs):
-        if d["split"] == "val":
-            entries["val"].append((hash64(cfg.seed, "order", d["id"], 0), i, 0))
-            continue
-        n = int(repeats[d["source"]][cursor[d["source"]]])
-        cursor[d["source"]] += 1
-        for copy in range(n):
-            entries["train"].append((hash64(cfg.seed, "order", d["id"], copy), i, copy))
+        for copy in range(int(copies[i])):
+            entries[d["split"]].append((hash64(cfg.seed, "order", d["id"], copy), i, copy))
     for rows in entries.values():
         rows.sort()
     return entries
@@ -51,7 +47,7 @@ def write_dataset(
     out: Path,
     work: Path,
     docs: list[dict[str, Any]],
-    repeats: dict[str, np.ndarray],
+    copies: np.ndarray,
     stats: dict[str, Any],
     progress: bool = True,
 ) -> Manifest:
@@ -66,7 +62,7 @@ def write_dataset(
     per_source = {s.name: {"documents": {}, "tokens": {}} for s in cfg.sources}
     lengths_hist = {s.name: [0] * (len(TOKEN_BINS) - 1) for s in cfg.sources}
     splits = {}
-    for split, rows in _order(cfg, docs, repeats).items():
+    for split, rows in _order(cfg, docs, copies).items():
         writer = ShardWriter(out, split, dtype, cfg.tokenize.shard_tokens)
         doc_map: list[dict[str, Any]] = []
         bar = tqdm(rows, desc=f"write {split}", unit="doc", disable=not progress, file=sys.stderr)

@@ -1,0 +1,41 @@
+"""Building blocks shared by several test directories' conftest files."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from pathlib import Path
+
+EOT = "<|endoftext|>"
+
+
+def single_torch_thread() -> Iterator[None]:
+    """Run a test with one intra-op thread: tiny models gain nothing from more, sums stay ordered
+    and the 2-core machine is not oversubscribed (wrap with pytest.fixture(autouse=True))."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_story_dataset(source: Path, root: Path, n_chars: int, val_docs: int = 4) -> Path:
+    """The first `n_chars` of a TinyStories file (whole stories) as a 300-token BPE and shards."""
+    from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
+    from kiln.tokenizer import train_bpe
+
+    with gzip.open(source, "rt", encoding="utf-8") as handle:
+        text = handle.read(n_chars)
+    text = text[: text.rfind(EOT) + len(EOT)]  # whole stories only
+    corpus = root / "stories.txt"
+    corpus.write_text(text, encoding="utf-8")
+    train_bpe(corpus, 300, special_tokens=[EOT], workers=1).save(root / "tok.json")
+    out = root / "shards"
+    tokenize_to_shards(
+        TokenizeConfig(
+            tokenizer=str(root / "tok.json"), inputs=(str(corpus),), out=str(out),
+            val_docs=val_docs, workers=1, progress=False,
+        )
+    )  # fmt: skip
+    return out
