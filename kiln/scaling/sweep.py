@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import io
 import json
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.io import atomic_write, write_json_atomic
+from kiln.io import atomic_write, check_can_write, write_json_atomic
 from kiln.model.config import ModelConfig
 from kiln.train.config import TrainConfig, load_train_config
 
 RESULT_FIELDS = (
     "name", "budget", "n_layer", "n_embd", "params", "tokens", "steps", "flops_6nd",
-    "flops_exact", "loss", "train_loss", "seconds",
+    "flops_exact", "loss", "loss_kind", "train_loss", "seconds",
 )  # fmt: skip
+TEXT_FIELDS = ("name", "loss_kind")
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,8 @@ def write_sweep(
     from kiln.data import Dataset
 
     out = Path(out)
-    if (out / "sweep.json").exists() and not force:
-        raise KilnError(f"{out / 'sweep.json'} already exists; pass --force to replace it")
+    check_can_write(out / "sweep.json", force)
+    _set_aside_old_results(out)
     base = load_train_config(base_path, overrides or [])
     dataset = Dataset.open(base.data.dataset)
     planned, notes = plan_sweep(base, dataset.vocab_size, budgets, shapes, min_steps)
@@ -198,19 +200,29 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
         return []
     with path.open(encoding="utf-8", newline="") as handle:
         return [
-            {k: (v if k == "name" else float(v)) for k, v in row.items()}
+            {k: (v if k in TEXT_FIELDS else float(v)) for k, v in row.items()}
             for row in csv.DictReader(handle)
         ]
 
 
+def _set_aside_old_results(out: Path) -> None:
+    """A rewritten sweep must not reuse the old one's results or resume its checkpoints: move
+    them into `replaced-<time>/` (kept, not deleted)."""
+    old = [p for p in (out / "results.csv", out / "runs") if p.exists()]
+    if not old:
+        return
+    aside = out / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(parents=True)
+    for path in old:
+        os.replace(path, aside / path.name)
+
+
 def write_results(path: str | Path, rows: list[dict[str, Any]]) -> None:
     """Write results.csv atomically."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=RESULT_FIELDS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: row[k] for k in RESULT_FIELDS} for row in rows)
     with atomic_write(path) as handle:
-        handle.write(buffer.getvalue())
+        writer = csv.DictWriter(handle, fieldnames=RESULT_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: row.get(k, "") for k in RESULT_FIELDS} for row in rows)
 
 
 def run_sweep(out: str | Path, progress: bool = True) -> list[dict[str, Any]]:
@@ -250,9 +262,15 @@ def train_one(out: Path, run: SweepRun) -> dict[str, Any]:
         raise KeyboardInterrupt
     tail = result.losses[-max(1, len(result.losses) // 10) :]
     train_loss = sum(tail) / len(tail) if tail else float("nan")
+    if result.val_loss is None:
+        warnings.warn(
+            f"{run.name}: no validation loss (eval is off); its `loss` is the training loss",
+            stacklevel=2,
+        )
     loss = result.val_loss if result.val_loss is not None else train_loss
+    kind = "val" if result.val_loss is not None else "train"
     return {
-        **dataclasses.asdict(run), "loss": loss, "train_loss": train_loss,
+        **dataclasses.asdict(run), "loss": loss, "loss_kind": kind, "train_loss": train_loss,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
 

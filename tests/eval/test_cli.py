@@ -71,6 +71,9 @@ def test_checkpoint_run_and_hf_export_give_the_same_results(
         for key in ("acc", "random_baseline", "centred"):
             assert tasks["ckpt"][task][key] == tasks["run"][task][key]
             assert tasks["ckpt"][task][key] == pytest.approx(tasks["hf"][task][key], abs=1e-9)
+    # A continuous score, so a slightly wrong weight mapping in the export would show.
+    ppl = {name: t["lambada"]["ppl"] for name, t in tasks.items()}
+    assert ppl["ckpt"] == ppl["run"] == pytest.approx(ppl["hf"], rel=1e-5)
     doc = docs["ckpt"]
     assert doc["tasks"]["copa"]["n"] == 6 and doc["tasks"]["copa"]["random_baseline"] == 0.5
     assert doc["tasks"]["lambada"]["random_baseline"] == 0.0 and "ppl" in doc["tasks"]["lambada"]

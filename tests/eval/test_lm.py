@@ -118,7 +118,7 @@ def test_val_loss_errors(dataset: Path, tmp_path: Path) -> None:
     small = Scorer(random_tiny(vocab_size=300, block_size=16), progress=False)
     with pytest.raises(KilnError, match="400-token vocabulary, larger than the model's 300"):
         val_loss(small, dataset)
-    with pytest.raises(KilnError):
+    with pytest.raises(KilnError, match="not a kiln token-shard dataset"):
         val_loss(scorer, tmp_path)
 
 

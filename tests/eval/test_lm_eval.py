@@ -15,7 +15,7 @@ from kiln.errors import KilnError
 from kiln.eval.lm import bits_per_byte
 from kiln.eval.loading import LoadedModel, load_model
 from kiln.eval.multiple_choice import evaluate_task
-from kiln.eval.scoring import Scorer
+from kiln.eval.scoring import Scorer, encode_pair
 from kiln.eval.tasks import load_task
 from kiln.model.generate import generate
 from kiln.model.hf import save_hf_dir
@@ -167,7 +167,11 @@ def test_rolling_and_generation_requests(offline: None, loaded: LoadedModel) -> 
     assert expected.n_tokens == len(tok.encode_ordinary(text)) > 128
 
     (pair,) = lm.loglikelihood([request("loglikelihood", ("The dog", " ran home"))])
-    assert isinstance(pair[1], bool) and math.isfinite(pair[0]) and pair[0] < 0
+    (direct,) = Scorer(model, progress=False).score_requests(
+        [encode_pair(tok, "The dog", " ran home", 399)]
+    )
+    assert pair[0] == pytest.approx(direct.logprob, abs=1e-5) and pair[1] is direct.is_greedy
+    assert math.isfinite(pair[0]) and pair[0] < 0
 
     prompt = "Once upon a time"
     ids = generate(model, [tok.encode_ordinary(prompt)], 12, temperature=0.0, stop_tokens=[399])[0]

@@ -51,6 +51,7 @@ def test_tiny_isoflop_sweep_end_to_end(tiny_dataset: Path, tmp_path: Path, capsy
                    (out / "runs" / run.name / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
         assert records[-1]["step"] == run.steps and records[-1]["tokens"] == run.tokens
         assert records[-1]["val_loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert row["loss_kind"] == "val"
     # Each shape trained on twice the compute (twice the steps) reaches a lower loss.
     loss = {row["name"]: row["loss"] for row in rows}
     for shape in ("1x16", "1x32", "2x32"):
@@ -67,7 +68,14 @@ def test_tiny_isoflop_sweep_end_to_end(tiny_dataset: Path, tmp_path: Path, capsy
         assert (fit_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "budget 2e+08: 3 runs" in printed
+    capsys.readouterr()
     assert main(["scaling", "fit", str(out), "--out", str(fit_dir)]) == 2  # no --force
+    assert "already exists" in capsys.readouterr().err
+    # Rewriting the sweep sets the old results and runs aside instead of reusing them.
+    assert main([*args[:-2], "--no-progress", "--force"]) == 0
+    assert not (out / "results.csv").exists() and not (out / "runs").exists()
+    (aside,) = out.glob("replaced-*")
+    assert (aside / "results.csv").read_text() == before
 
 
 def test_account_json_matches_the_config(capsys) -> None:
