@@ -145,10 +145,10 @@ def _train_config_model(path: Path) -> tuple[Any, int | None, int | None]:
     cfg = load_train_config(path)
     vocab = None
     if "vocab_size" not in cfg.model:
-        from kiln.data import Dataset
+        from kiln.data.manifest import Manifest
 
-        try:
-            vocab = Dataset.open(cfg.data.dataset).vocab_size
+        try:  # the manifest alone: no shard needs opening to learn the vocabulary
+            vocab = Manifest.read(Path(cfg.data.dataset)).tokenizer.vocab_size
         except KilnError:
             raise KilnError(
                 f"{path}: model.vocab_size is unset and the dataset {cfg.data.dataset} cannot "
@@ -330,8 +330,8 @@ def run_fit(args: argparse.Namespace) -> int:
         raise KilnError(f"--starts must be >= 0, got {args.starts}")
     extrapolated = "keep" if args.keep_extrapolated else "drop"
     report = fit_all(points, top_starts=args.starts or None, extrapolated=extrapolated)
+    pngs = plot_all(points, report, out)  # first: without matplotlib, nothing is half-written
     write_json_atomic(out / "fit.json", report.to_dict())
-    pngs = plot_all(points, report, out)
     for p in report.parabolas:
         vertex = f"N_opt {p.n_opt:.3g}, loss {p.loss_opt:.4f}" if p.has_minimum else "no minimum"
         print(f"budget {p.budget:.3g}: {p.n_points} runs, {vertex}")

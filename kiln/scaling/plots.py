@@ -6,31 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.io import atomic_write
+from kiln.plotting import pyplot, save_png
 from kiln.scaling.fit import FitReport, Point, by_budget
-
-
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    """Write a figure atomically as PNG and close it."""
-    with atomic_write(path, "wb", encoding=None) as handle:
-        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
-    _pyplot().close(fig)
-    return path
 
 
 def plot_isoflop(points: list[Point], report: FitReport, path: Path) -> Path:
     """Loss against N per budget, with each budget's parabola and its vertex."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     groups = by_budget(points)
     colors = plt.cm.viridis(np.linspace(0, 0.9, max(1, len(groups))))
@@ -52,12 +34,12 @@ def plot_isoflop(points: list[Point], report: FitReport, path: Path) -> Path:
     ax.set_title("IsoFLOP curves (★ parabola minimum)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    return _save(fig, path)
+    return save_png(fig, path, dpi=120)
 
 
 def plot_frontier(report: FitReport, path: Path) -> Path:
     """N_opt and D_opt against C: the parabola vertices, their power laws, the parametric law."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     good = [p for p in report.parabolas if p.has_minimum]
     budgets = [p.budget for p in report.parabolas] or [1.0]
@@ -88,12 +70,12 @@ def plot_frontier(report: FitReport, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.suptitle("Compute-optimal frontier")
-    return _save(fig, path)
+    return save_png(fig, path, dpi=120)
 
 
 def plot_predicted(points: list[Point], report: FitReport, path: Path) -> Path:
     """Parametric-law prediction against the observed loss, one point per run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     if report.parametric is not None:
         fit = report.parametric.law
@@ -113,7 +95,7 @@ def plot_predicted(points: list[Point], report: FitReport, path: Path) -> Path:
     ax.set_xlabel("observed loss")
     ax.set_ylabel("predicted loss")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path, dpi=120)
 
 
 def plot_all(points: list[Point], report: FitReport, out: Path, prefix: str = "") -> list[Path]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.io import atomic_write
+from kiln.plotting import pyplot, save_png
 
 # (file stem, metric key, y label, title, log-scale y) of the per-step curves.
 STEP_CURVES: tuple[tuple[str, str, str, str, bool], ...] = (
@@ -68,18 +69,6 @@ def read_run_metrics(run_dir: Path) -> list[dict]:
 # ---- figures -------------------------------------------------------------------------------------
 
 
-def _pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend, or a clear error without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KilnError("plotting needs matplotlib: pip install 'kiln[plot]'") from None
-    return plt
-
-
 def _series(records: list[dict], x: str, y: str) -> list[tuple[float, float]]:
     """(x, y) pairs of the records where both are finite numbers."""
     out = []
@@ -90,27 +79,13 @@ def _series(records: list[dict], x: str, y: str) -> list[tuple[float, float]]:
     return out
 
 
-def _save(fig: Any, png_path: str | Path) -> Path:
-    """Save a figure as PNG atomically and close it."""
-    out = Path(png_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    try:
-        fig.savefig(tmp, bbox_inches="tight")
-        tmp.replace(out)
-    finally:
-        _pyplot().close(fig)
-        tmp.unlink(missing_ok=True)
-    return out
-
-
 def _loss_figure(records: list[dict], source: str | Path) -> Any:
     """Train and validation loss against tokens seen."""
     train = _series(records, "tokens", "loss")
     val = _series(records, "tokens", "val_loss")
     if not train:
         raise KilnError(f"{source}: no training losses to plot")
-    fig, ax = _pyplot().subplots(figsize=(7, 4), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4), dpi=120)
     ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
@@ -125,7 +100,7 @@ def _loss_figure(records: list[dict], source: str | Path) -> Any:
 def _step_figure(records: list[dict], key: str, ylabel: str, title: str, log: bool) -> Any:
     """One metric against optimizer steps ("no data" written on an empty plot)."""
     points = _series(records, "step", key)
-    fig, ax = _pyplot().subplots(figsize=(7, 3.2), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 3.2), dpi=120)
     if points:
         ax.plot(*zip(*points, strict=True), linewidth=1.2)
         values = [v for _, v in points]
@@ -143,7 +118,7 @@ def _step_figure(records: list[dict], key: str, ylabel: str, title: str, log: bo
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> Path:
     """Train and validation loss against tokens seen, as a PNG (needs matplotlib)."""
     records = read_metrics(metrics_path)
-    return _save(_loss_figure(records, metrics_path), png_path)
+    return save_png(_loss_figure(records, metrics_path), png_path)
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -183,9 +158,11 @@ def plot_run(run_dir: str | Path) -> RunReport:
     records = read_run_metrics(run_dir)
     report = run_dir / "report"
     metrics_path = run_dir / "metrics.jsonl"
-    pngs = [_save(_loss_figure(records, metrics_path), report / "loss.png")]
+    pngs = [save_png(_loss_figure(records, metrics_path), report / "loss.png")]
     for stem, key, ylabel, title, log in STEP_CURVES:
-        pngs.append(_save(_step_figure(records, key, ylabel, title, log), report / f"{stem}.png"))
+        pngs.append(
+            save_png(_step_figure(records, key, ylabel, title, log), report / f"{stem}.png")
+        )
     schedule = report / "lr_schedule.png"  # from `kiln train --plot-schedule`, when there is one
     shown = [*pngs, schedule] if schedule.is_file() else pngs
     page = report / "index.html"

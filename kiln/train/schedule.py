@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kiln.errors import KilnError
 from kiln.train.config import ScheduleConfig
 
 
@@ -53,13 +52,9 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, max_steps: int) -> float:
 
 def plot_schedule(cfg: ScheduleConfig, max_steps: int, peak_lr: float, out: Path) -> Path:
     """Write a PNG of the learning rate over the run's steps; needs matplotlib."""
-    try:
-        import matplotlib
+    from kiln.plotting import pyplot, save_png
 
-        matplotlib.use("Agg")  # files only: no display on training machines
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KilnError("--plot-schedule needs matplotlib: pip install matplotlib") from None
+    plt = pyplot()
     steps = list(range(max_steps))
     lrs = [peak_lr * lr_multiplier(cfg, s, max_steps) for s in steps]
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -72,7 +67,4 @@ def plot_schedule(cfg: ScheduleConfig, max_steps: int, peak_lr: float, out: Path
     )
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_png(fig, out, dpi=100)
