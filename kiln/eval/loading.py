@@ -3,7 +3,6 @@ directory, or a training run directory (its latest checkpoint)."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,14 +71,17 @@ def _load_hf_dir(
     path: Path, tokenizer: str | os.PathLike[str] | None, device: torch.device
 ) -> LoadedModel:
     """An HF directory (as `kiln sample` reads it); the tokenizer is looked for beside it."""
+    from kiln.model.cli import eos_ids, tokenizer_file_in
     from kiln.model.hf import load_hf_dir
+    from kiln.train.export import load_tokenizer
 
     model = load_hf_dir(path, device=device)
-    tok_path = Path(tokenizer) if tokenizer is not None else _tokenizer_in(path)
-    tok = _read_tokenizer(tok_path, model)
-    eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    eot_id = eos if isinstance(eos, int) else tok.special_tokens.get(EOT)
+    tok_path = Path(tokenizer) if tokenizer is not None else tokenizer_file_in(path)
+    if not tok_path.is_file():
+        raise KilnError(f"{tok_path}: no such tokenizer file")
+    tok = load_tokenizer(tok_path, {}, model.cfg)  # checks it fits the model's vocabulary
+    eos = eos_ids(path)
+    eot_id = eos[0] if eos else tok.special_tokens.get(EOT)
     return LoadedModel(model, tok, eot_id, f"HF directory {path}", tok_path)
 
 
@@ -108,26 +110,3 @@ def _load_checkpoint(
     return LoadedModel(
         model, tok, tok.special_tokens.get(eot_token), f"checkpoint {checkpoint}", tok_path
     )
-
-
-def _tokenizer_in(path: Path) -> Path:
-    """The tokenizer file of an HF directory (tokenizer.json, or GPT-2's vocab.json)."""
-    for name in ("tokenizer.json", "vocab.json"):
-        if (path / name).is_file():
-            return path / name
-    raise KilnError(f"{path}: no tokenizer.json or vocab.json; pass --tokenizer")
-
-
-def _read_tokenizer(path: Path, model: Transformer) -> Tokenizer:
-    """Any tokenizer file kiln reads, checked to fit the model's vocabulary."""
-    from kiln.tokenizer.formats import read_any
-
-    if not path.is_file():
-        raise KilnError(f"{path}: no such tokenizer file")
-    tok = read_any(path)
-    if tok.n_vocab > model.cfg.vocab_size:
-        raise KilnError(
-            f"{path}: {tok.n_vocab} tokens, more than the model's vocabulary of "
-            f"{model.cfg.vocab_size}"
-        )
-    return tok

@@ -72,7 +72,7 @@ def run_sample(args: argparse.Namespace) -> int:
         ids = codec.encode(args.prompt)
     else:
         ids = _parse_ids(args.prompt_ids)
-    stop = args.stop_id if args.stop_id is not None else _eos_ids(model_dir)
+    stop = args.stop_id if args.stop_id is not None else eos_ids(model_dir)
     tokens = stream(
         model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop_tokens=stop,
@@ -112,7 +112,7 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _eos_ids(model_dir: Path) -> list[int]:
+def eos_ids(model_dir: Path) -> list[int]:
     """The end-of-sequence id(s) named in the model's config.json, if any."""
     eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
     if eos is None:
@@ -120,13 +120,18 @@ def _eos_ids(model_dir: Path) -> list[int]:
     return list(eos) if isinstance(eos, list) else [eos]
 
 
+def tokenizer_file_in(model_dir: Path) -> Path:
+    """The tokenizer file of a model directory: tokenizer.json, or GPT-2's vocab.json."""
+    for name in ("tokenizer.json", "vocab.json"):
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise KilnError(f"{model_dir}: no tokenizer.json or vocab.json; pass --tokenizer")
+
+
 def load_codec(path: Path) -> TextCodec:
     """A tokenizer from a file (kiln, HF or GPT-2 format) or a directory holding one."""
     if path.is_dir():
-        found = [path / n for n in ("tokenizer.json", "vocab.json") if (path / n).is_file()]
-        if not found:
-            raise KilnError(f"{path}: no tokenizer.json or vocab.json; pass --tokenizer")
-        path = found[0]
+        path = tokenizer_file_in(path)
     from kiln.tokenizer.formats import read_any  # kiln, HF tokenizer.json, GPT-2 vocab.json
 
     return _KilnCodec(read_any(path))
