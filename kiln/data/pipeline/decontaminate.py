@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +27,10 @@ import numpy as np
 
 from kiln.config import ConfigError
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.minhash import hash_word_ngrams
+from kiln.data.pipeline.minhash import hash_word_ngrams, normalized_word_spans
 from kiln.errors import KilnError
 from kiln.io import open_binary, strip_compression
 
-_TOKEN = re.compile(r"\S+")
-_PUNCTUATION = re.compile(r"[^\w\s]+")
 _SPLIT_SUFFIXES = ("_val", "_validation", "_dev", "_test")
 _HASH_BATCH = 2048  # eval texts hashed per NumPy call
 _DOCS_PER_LOOKUP = 256  # training documents hashed per NumPy call
@@ -308,11 +305,7 @@ class Decontaminator:
 
     def _contaminated_spans(self, text: str) -> tuple[list[tuple[int, int]], dict[str, int]]:
         """Merged character spans to remove (match + window) and the spans per task."""
-        tokens = []  # (word, start, end) in the original text
-        for match in _TOKEN.finditer(text):
-            word = _PUNCTUATION.sub("", match.group().lower())
-            if word:
-                tokens.append((word, match.start(), match.end()))
+        tokens = normalized_word_spans(text)  # the words detection hashed, with positions
         n = self.config.ngram
         hashes, _ = hash_word_ngrams([" ".join(t[0] for t in tokens)], n, whole_if_short=False)
         hits = np.flatnonzero(self.index.contains(hashes))

@@ -34,6 +34,7 @@ _BYTE_BASE = 0x100000001B3  # the FNV-1 64-bit prime: odd, so invertible modulo 
 _BYTE_BASE_INV = pow(_BYTE_BASE, -1, 1 << 64)
 _NGRAM_SALT = 0x9E3779B97F4A7C15  # keeps the shingle of an empty document away from zero
 _PUNCTUATION = re.compile(r"[^\w\s]+")
+_NONSPACE = re.compile(r"\S+")
 # Bytes that separate words: ASCII whitespace as str.split() sees it (\t\n\v\f\r, \x1c-\x1f,
 # space) and NUL, which separates the texts of a batch.
 _SEPARATOR = np.zeros(256, dtype=bool)
@@ -84,6 +85,16 @@ class MinHashConfig:
 def normalized_words(text: str) -> list[str]:
     """The words MinHash and decontamination see: lowercased, punctuation deleted."""
     return _PUNCTUATION.sub("", text.lower()).split()
+
+
+def normalized_word_spans(text: str) -> list[tuple[str, int, int]]:
+    """`normalized_words(text)`, each with the [start, end) of its characters in `text`."""
+    spans = []
+    for match in _NONSPACE.finditer(text):
+        word = _PUNCTUATION.sub("", match.group().lower())
+        if word:
+            spans.append((word, match.start(), match.end()))
+    return spans
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:

@@ -171,14 +171,12 @@ def count_records(
     fmt: str,
     *,
     separator: str = "<|endoftext|>",
-    text_field: str = "text",
 ) -> int:
     """The number of items `iter_records` yields for this file, found without decoding records.
 
-    `text_field` is accepted so callers can pass the same source settings to both functions; the
-    count never depends on it (a missing field still occupies its ordinal).
+    A record whose text field is missing or malformed still occupies its ordinal, so the count
+    never depends on the text field.
     """
-    del text_field
     if fmt == "txt":
         if not separator:
             raise KilnError(f"{path}: the txt separator must not be empty")

@@ -143,7 +143,7 @@ def _file_identity(path: str) -> list[Any]:
 
 def _reader_args(cfg: PipelineConfig, source: str) -> dict[str, Any]:
     spec = next(s for s in cfg.sources if s.name == source)
-    return {"text_field": spec.text_field, "separator": spec.separator}
+    return {"separator": spec.separator}
 
 
 def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -> list[FilterTask]:

@@ -102,14 +102,14 @@ def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
     return [(name, cls(cfg)) for name, cfg, cls in candidates if cfg.enabled]
 
 
-@functools.lru_cache(maxsize=2)
 def _decontaminator(config: PipelineConfig) -> Any:
-    from kiln.data.pipeline.decontaminate import Decontaminator, EvalNgramIndex
+    """The decontamination stage; its n-gram index is loaded once per process (and n-gram size)."""
+    from kiln.data.pipeline.decontaminate import Decontaminator
 
     cfg = config.decontaminate
     if not cfg.enabled or not cfg.eval_files:
         return None
-    return Decontaminator(cfg, EvalNgramIndex.from_files(cfg.eval_files))
+    return Decontaminator(cfg)
 
 
 @functools.lru_cache(maxsize=2)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.config import ConfigError
 from kiln.data.pipeline.decontaminate import (
@@ -20,7 +22,7 @@ from kiln.data.pipeline.decontaminate import (
     task_name,
 )
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.minhash import hash_word_ngrams
+from kiln.data.pipeline.minhash import hash_word_ngrams, normalized_word_spans, normalized_words
 from kiln.errors import KilnError
 
 EOT_LINE = "\n<|endoftext|>\n"
@@ -249,3 +251,25 @@ def test_a_passage_in_two_tasks_is_reported_under_both(tmp_path: Path) -> None:
     assert doc.meta["decontam"] == {"task_a": 1, "task_b": 1}
     start, end = 501, 501 + len(sentence) + 1
     assert doc.text == text[: start - 200] + "\n\n" + text[end + 200 :]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("aZé ΣΟς\u00a0\u3000\t\n.,'-_1…!"), max_size=80))
+def test_cut_positions_are_the_words_detection_hashes(text: str) -> None:
+    """_cut finds spans by word position: its words must be exactly the ones detection hashed."""
+    assert [w for w, _, _ in normalized_word_spans(text)] == normalized_words(text)
+    for word, start, end in normalized_word_spans(text):
+        assert normalized_words(text[start:end]) == [word]
+
+
+def test_the_pipeline_stage_honours_the_configured_ngram(eval_dir: Path) -> None:
+    from kiln.data.pipeline.config import PipelineConfig, SourceSpec, TokenizeStageConfig
+    from kiln.data.pipeline.tasks import _decontaminator
+
+    cfg = PipelineConfig(
+        sources=(SourceSpec("s", ("x",)),),
+        decontaminate=DecontamConfig(eval_files=(str(eval_dir / "copa.jsonl"),), ngram=8),
+        tokenize=TokenizeStageConfig(tokenizer="tok.json"),
+    )
+    stage = _decontaminator(cfg)
+    assert stage.index.ngram == 8
