@@ -17,8 +17,9 @@ from kiln.tokenizer import Tokenizer
 from kiln.train.config import load_train_config
 from kiln.train.export import load_checkpoint_model
 from kiln.train.trainer import Trainer
+from tests.fixtures import EOT
 
-from .conftest import CONFIGS, EOT, MakeConfig
+from .conftest import CONFIGS, MakeConfig
 
 TEXTS = (
     "Once upon a time, there was a little girl named Lily.",
