@@ -1,0 +1,154 @@
+"""Where a model runs and at what precision: `--device auto` and `dtype = "auto"` for every command.
+
+On CPUs without native bf16 matrix support (no AVX512_BF16, no AMX) PyTorch emulates bf16
+matmuls, roughly 30x slower than fp32, so "auto" only picks bf16 where the CPU flags say it is
+native *and* a tiny timed probe confirms that a bf16 matmul is not slower than an fp32 one.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# bf16 must run at least this fast relative to fp32 in the probe (above 1: noise allowance).
+PROBE_MAX_RATIO = 1.1
+
+
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """cpu, cuda[:N] or auto (this rank's GPU when there is one, else the CPU)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise KilnError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KilnError(f"device {name!r}: no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision chosen for a model's matmuls, and why."""
+
+    name: str  # "fp32" or "bf16"
+    requested: str  # what the user asked for: "auto", "fp32" or "bf16"
+    reason: str  # one line, e.g. "this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)"
+    bf16_slowdown: float | None = None  # probe: bf16 matmul time / fp32 time, when measured
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of `name`."""
+        return DTYPES[self.name]
+
+    @property
+    def warning(self) -> str | None:
+        """A line to print once when an explicit bf16 runs emulated on this CPU, else None."""
+        slowdown = self.bf16_slowdown if self.requested == "bf16" else None
+        if slowdown is None or slowdown <= PROBE_MAX_RATIO:
+            return None
+        return (
+            f"dtype bf16 on a CPU without native bf16: the probe measured bf16 matmuls "
+            f"{slowdown:.1f}x slower than fp32; dtype auto would pick fp32"
+        )
+
+    def describe(self) -> str:
+        """The line printed once at start-up, e.g. "dtype auto → fp32: this CPU has no ..."."""
+        return f"dtype {self.requested} → {self.name}: {self.reason}"
+
+    def to_dict(self) -> dict[str, object]:
+        """The record kept in a run's config and metrics."""
+        return {
+            "dtype": self.name,
+            "requested": self.requested,
+            "reason": self.reason,
+            "bf16_slowdown": self.bf16_slowdown,
+        }
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_probe_ratio(size: int = 256, repeats: int = 5) -> float:
+    """Best-of-`repeats` time of a (size x size) bf16 matmul over an fp32 one, on this CPU."""
+
+    def best(dtype: torch.dtype) -> float:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not the matmul
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+
+
+def choose_precision(
+    requested: str, device: torch.device, flags: frozenset[str] | None = None
+) -> Precision:
+    """Resolve "auto", "fp32" or "bf16" for `device` (see the module docstring for the rule)."""
+    if requested not in ("auto", *DTYPES):
+        raise KilnError(f"dtype must be auto, fp32 or bf16, got {requested!r}")
+    if device.type == "cuda":
+        supported = torch.cuda.is_bf16_supported()
+        if requested == "bf16" and not supported:
+            raise KilnError(f"dtype bf16: {torch.cuda.get_device_name(device)} has no bf16")
+        if requested == "fp32":
+            return Precision("fp32", requested, "asked for")
+        if supported:
+            return Precision("bf16", requested, "this GPU supports bf16")
+        return Precision("fp32", requested, "this GPU has no bf16")
+    if device.type != "cpu":
+        name = "fp32" if requested == "auto" else requested
+        return Precision(name, requested, f"{device.type} device: no probe, fp32 unless asked")
+    if requested == "fp32":
+        return Precision("fp32", requested, "asked for")
+    flags = cpu_flags() if flags is None else flags
+    native = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+    if requested == "bf16":
+        ratio = None if native else bf16_probe_ratio()
+        return Precision("bf16", requested, "asked for", ratio)
+    if not native:
+        return Precision(
+            "fp32", requested, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+        )
+    ratio = bf16_probe_ratio()
+    if ratio > PROBE_MAX_RATIO:
+        return Precision(
+            "fp32",
+            requested,
+            f"the CPU reports {'/'.join(native)} but the probe measured bf16 matmuls "
+            f"{ratio:.1f}x slower than fp32",
+            ratio,
+        )
+    return Precision(
+        "bf16",
+        requested,
+        f"this CPU has native bf16 ({'/'.join(native)}); probe bf16/fp32 time {ratio:.2f}",
+        ratio,
+    )
