@@ -1,4 +1,4 @@
-"""Autoregressive generation: a preallocated KV cache, prefill, then one-token decode steps.
+"""Autoregressive generation: prefill into a preallocated KV cache, then one-token decode steps.
 
 Prompts of different lengths are left-padded into one batch; each row's positions start at its
 first real token and its padding is masked out of attention, so a row decodes exactly as it
@@ -14,41 +14,8 @@ from torch import Tensor
 
 from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
+from kiln.model.kv_cache import AttentionCache, KVCache
 from kiln.model.transformer import Transformer
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated (B, H_kv, max_len, D): GQA stores H_kv heads."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch_size: int,
-        max_len: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        first_valid: Tensor | None = None,
-    ) -> None:
-        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.max_len = max_len
-        self.length = 0  # slots filled so far (the same for every row)
-        self.first_valid = first_valid  # (B,) first real slot of each row, or None: no padding
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, H_kv, T, D) after the cached prefix; return the whole prefix (.., S, D)."""
-        end = self.length + k.size(2)
-        if end > self.max_len:
-            raise KilnError(f"KV cache holds {self.max_len} tokens, asked for {end}")
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        """Mark n more slots as filled (called once per forward, after every layer stored)."""
-        self.length += n
 
 
 def sample_next(
@@ -75,7 +42,7 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def decode_step(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
+def decode_step(model: Transformer, tokens: Tensor, cache: AttentionCache) -> Tensor:
     """Logits (B, V) of the next token after feeding tokens (B, T) on top of the cache."""
     return model.logits(model.hidden(tokens, cache)[:, -1])
 
@@ -115,7 +82,7 @@ def generate_steps(
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    step: Callable[[Transformer, Tensor, KVCache], Tensor] = decode_step
+    step: Callable[[Transformer, Tensor, AttentionCache], Tensor] = decode_step
     if compile:
         step = torch.compile(decode_step, dynamic=True)
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)

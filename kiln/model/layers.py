@@ -12,7 +12,7 @@ from kiln.model.attention import attend
 from kiln.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kiln.model.generate import KVCache
+    from kiln.model.kv_cache import AttentionCache
 
 
 class RMSNorm(nn.Module):
@@ -92,7 +92,7 @@ class CausalSelfAttention(nn.Module):
         x: Tensor,
         rope: tuple[Tensor, Tensor] | None,
         mask: Tensor | None,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention output (B, T, C), and the weights (B, H, T, S) when need_weights."""
@@ -151,7 +151,7 @@ class Block(nn.Module):
         x: Tensor,
         rope: tuple[Tensor, Tensor] | None,
         masks: dict[int | None, Tensor | None],
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         attn_weights: list[Tensor] | None = None,
     ) -> Tensor:
         """(B, T, C) -> (B, T, C); appends this layer's attention weights if given a list."""

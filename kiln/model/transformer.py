@@ -19,7 +19,7 @@ from kiln.model.layers import Block, make_norm, rope_tables
 from kiln.model.loss import lm_loss
 
 if TYPE_CHECKING:
-    from kiln.model.generate import KVCache
+    from kiln.model.kv_cache import AttentionCache
 
 
 class Transformer(nn.Module):
@@ -85,7 +85,7 @@ class Transformer(nn.Module):
         return self
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, *, cache: KVCache | None = None
+        self, idx: Tensor, targets: Tensor | None = None, *, cache: AttentionCache | None = None
     ) -> Tensor:
         """Logits (B, T, vocab_size) for token ids idx (B, T), or the scalar loss given targets."""
         h = self.hidden(idx, cache)  # (B, T, C)
@@ -107,7 +107,7 @@ class Transformer(nn.Module):
     def hidden(
         self,
         idx: Tensor,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         attn_weights: list[Tensor] | None = None,
     ) -> Tensor:
         """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
+import kiln.model
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
-from kiln.model.generate import KVCache, generate, sample_next, stream
+from kiln.model.generate import generate, sample_next, stream
+from kiln.model.kv_cache import KVCache
 from tests.model.helpers import build, gpt2_small, llama_small
 
 FAMILIES = {
@@ -58,6 +63,49 @@ def test_cached_logits_equal_full_forward_logits() -> None:
         full = model(idx)
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, rtol=1e-5, atol=1e-5)
     assert cache.length == 12
+
+
+class GrowingCache:
+    """A cache that is not KVCache: concatenates instead of preallocating (the interface only)."""
+
+    def __init__(self) -> None:
+        self.length, self.first_valid = 0, None
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer in self.kv:
+            old_k, old_v = self.kv[layer]
+            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+def test_model_decodes_against_any_object_with_the_cache_interface() -> None:
+    model = build(llama_small())
+    idx = torch.randint(0, 300, (2, 9))
+    cache = GrowingCache()
+    with torch.no_grad():
+        steps = [model(idx[:, :4], cache=cache)] + [
+            model(idx[:, t : t + 1], cache=cache) for t in range(4, 9)
+        ]
+        full = model(idx)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 9 and cache.kv[0][0].shape[2] == 9
+
+
+def test_model_modules_import_nothing_from_generation() -> None:
+    # The layering rule: the model takes a cache by its interface, never generation's module.
+    model_dir = Path(kiln.model.__file__).parent
+    for name in ("attention.py", "layers.py", "transformer.py", "kv_cache.py", "loss.py"):
+        tree = ast.parse((model_dir / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+            a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+        }
+        assert "kiln.model.generate" not in imported, name
+        assert not any(m and m.startswith(("kiln.train", "kiln.serve")) for m in imported), name
 
 
 def test_cache_is_preallocated_with_kv_heads_only() -> None:
