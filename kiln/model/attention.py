@@ -20,17 +20,15 @@ from torch import Tensor
 from kiln.errors import KilnError
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, backend: str, need_weights: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """Attention output (B, H, T, D), and the weights (B, H, T, S) when need_weights."""
-    if need_weights or backend == "math":
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, backend: str) -> Tensor:
+    """Attention output (B, H, T, D) by the configured backend."""
+    if backend == "math":
         return math_attention(q, k, v, mask)
     if backend == "triton" and mask is None and q.size(2) == k.size(2):
         out = triton_attention(q, k, v)
         if out is not None:
-            return out, None
-    return sdpa_attention(q, k, v, mask), None
+            return out
+    return sdpa_attention(q, k, v, mask)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -41,18 +39,22 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tens
     )  # (B, H, T, D)
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The textbook formula, materialising the weights softmax(q·kᵀ/√D) so they can be inspected."""
-    T, S = q.size(2), k.size(2)
-    groups = q.size(1) // k.size(1)
-    k = k.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The textbook formula softmax(q·kᵀ/√D)·v, with the weights materialised."""
+    groups = q.size(1) // v.size(1)
     v = v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+    return attention_weights(q, k, mask) @ v  # (B, H, T, D)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+    """The weights softmax(q·kᵀ/√D) (B, H, T, S) of q (B, H, T, D) over k (B, H_kv, S, D)."""
+    T, S = q.size(2), k.size(2)
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, S, D)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, S)
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = F.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, S)
-    return weights @ v, weights  # (B, H, T, D), (B, H, T, S)
+    return F.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, S)
 
 
 @functools.cache

@@ -93,9 +93,18 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         mask: Tensor | None,
         cache: AttentionCache | None = None,
-        need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Attention output (B, T, C), and the weights (B, H, T, S) when need_weights."""
+    ) -> Tensor:
+        """Attention output (B, T, C) of x (B, T, C)."""
+        B, T, _ = x.shape
+        q, k, v = self.heads(x, rope)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
+        y = attend(q, k, v, mask, self.backend)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
+        return self.drop(self.proj(y))
+
+    def heads(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x, normed and rotated."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -106,12 +115,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # under autocast a norm may have upcast them
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
-        y, weights = attend(q, k, v, mask, self.backend, need_weights)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H·D)
-        return self.drop(self.proj(y)), weights
+        return q.to(v.dtype), k.to(v.dtype), v  # under autocast a norm may have upcast q, k
 
 
 class MLP(nn.Module):
@@ -152,12 +156,7 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         masks: dict[int | None, Tensor | None],
         cache: AttentionCache | None = None,
-        attn_weights: list[Tensor] | None = None,
     ) -> Tensor:
-        """(B, T, C) -> (B, T, C); appends this layer's attention weights if given a list."""
-        mask = masks[self.attn.window]
-        a, weights = self.attn(self.norm1(x), rope, mask, cache, attn_weights is not None)
-        if attn_weights is not None and weights is not None:
-            attn_weights.append(weights)
-        x = x + a
+        """(B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.norm1(x), rope, masks[self.attn.window], cache)
         return x + self.mlp(self.norm2(x))

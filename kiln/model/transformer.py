@@ -104,12 +104,7 @@ class Transformer(nn.Module):
             logits = c * torch.tanh(logits / c)
         return logits
 
-    def hidden(
-        self,
-        idx: Tensor,
-        cache: AttentionCache | None = None,
-        attn_weights: list[Tensor] | None = None,
-    ) -> Tensor:
+    def hidden(self, idx: Tensor, cache: AttentionCache | None = None) -> Tensor:
         """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""
         T = idx.size(1)
         start = 0 if cache is None else cache.length
@@ -133,7 +128,7 @@ class Transformer(nn.Module):
                 rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, D)
         masks = self._masks(slots, start + T, first_valid)
         for block in self.blocks:
-            x = block(x, rope, masks, cache, attn_weights)
+            x = block(x, rope, masks, cache)
         if cache is not None:
             cache.advance(T)
         return self.norm_f(x)  # (B, T, C)
@@ -151,10 +146,3 @@ class Transformer(nn.Module):
             else attention_mask(slots, n_keys, w, first_valid)
             for w in windows
         }
-
-    @torch.no_grad()
-    def attention_maps(self, idx: Tensor) -> list[Tensor]:
-        """Attention weights (B, H, T, T) of every layer, by the math path whatever the backend."""
-        maps: list[Tensor] = []
-        self.hidden(idx, attn_weights=maps)
-        return maps

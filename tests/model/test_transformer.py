@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer, attention
+from kiln.model.attention_maps import attention_maps
 from kiln.model.generate import generate
 from kiln.model.loss import lm_loss
 from tests.model.helpers import build, gpt2_small, llama_small
@@ -230,7 +231,7 @@ def test_math_and_sdpa_backends_agree(cfg: ModelConfig) -> None:
 def test_attention_maps_are_causal_distributions() -> None:
     cfg = llama_small(sliding_window=3, window_pattern="LG")
     model = build(cfg)
-    maps = model.attention_maps(torch.randint(0, 300, (2, 10)))
+    maps = attention_maps(model, torch.randint(0, 300, (2, 10)))
     assert len(maps) == cfg.n_layer
     for layer, w in enumerate(maps):
         assert w.shape == (2, cfg.n_head, 10, 10)
@@ -240,6 +241,24 @@ def test_attention_maps_are_causal_distributions() -> None:
             assert torch.all(w.tril(diagonal=-3) == 0)
         else:
             assert torch.all(w.tril(diagonal=-3).sum((-1, -2)) > 0)
+
+
+def test_attention_maps_are_the_weights_the_forward_pass_uses() -> None:
+    # The maps are recomputed from each layer's inputs: weights · v through the output projection
+    # must give exactly what the (SDPA) layer returned in the forward pass.
+    model = build(llama_small())
+    idx = torch.randint(0, 300, (2, 10))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    attn = model.blocks[1].attn
+    handle = attn.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    maps = attention_maps(model, idx)
+    handle.remove()
+    (x, out), weights = seen[0], maps[1]
+    _, _, v = attn.heads(x, (model.rope_cos[:10], model.rope_sin[:10]))
+    v = v.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)  # (B, H, T, D)
+    y = (weights @ v).transpose(1, 2).reshape(2, 10, -1)
+    torch.testing.assert_close(attn.proj(y), out, rtol=1e-5, atol=1e-5)
+    assert not model.blocks[0].attn._forward_pre_hooks  # the hooks are gone afterwards
 
 
 def test_triton_backend_falls_back_to_sdpa_with_a_warning(monkeypatch) -> None:
