@@ -16,6 +16,8 @@ from typing import Any
 
 from kiln.errors import KilnError
 
+PARAM_COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
+
 
 class ModelConfigError(KilnError, ValueError):
     """A model config that cannot describe a valid model; the message names the field."""
@@ -160,31 +162,44 @@ class ModelConfig:
 
     # ---- accounting ------------------------------------------------------------------------------
 
-    def _layer_matmul_params(self) -> int:
-        """Weights of one block's linear layers (QKV, output projection, MLP)."""
-        d, q_out, kv_out = self.n_embd, self.n_head * self.head_size, self.kv_heads * self.head_size
-        n_in = 2 if self.mlp == "swiglu" else 1  # gate and up projections, or one
-        return d * (q_out + 2 * kv_out) + q_out * d + (n_in + 1) * d * self.ff_size
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameters of the module by component (PARAM_COMPONENTS); a tied head counts 0.
+
+        The one parameter count: `num_params` is its sum, `kiln scaling account` prints it, and
+        `Transformer` checks it against the instantiated module.
+        """
+        d, L = self.n_embd, self.n_layer
+        norm_scale = 2 if self.norm == "layernorm" and self.bias else 1  # weight (+ bias)
+        norms = 2 * norm_scale * d + (2 * norm_scale * self.head_size if self.qk_norm else 0)
+        return {
+            "embeddings": self.padded_vocab_size * d
+            + (self.block_size * d if self.pos_emb == "learned" else 0),
+            "attention": L * self._attention_params(self.bias),
+            "mlp": L * self._mlp_params(self.bias),
+            "norms": L * norms + norm_scale * d,  # every block's two (+ q/k norms), the final one
+            "head": 0 if self.tie_embeddings else self.padded_vocab_size * d,
+        }
 
     def num_params(self) -> int:
         """Parameters of the module (a tied head counted once; padded vocab rows included)."""
-        d, v = self.n_embd, self.padded_vocab_size
-        norm_scale = 2 if self.norm == "layernorm" and self.bias else 1  # weight (+ bias)
-        layer = self._layer_matmul_params() + 2 * norm_scale * d
-        if self.bias:
-            q_out, kv_out = self.n_head * self.head_size, self.kv_heads * self.head_size
-            n_in = 2 if self.mlp == "swiglu" else 1
-            layer += q_out + 2 * kv_out + d + n_in * self.ff_size + d
-        if self.qk_norm:
-            layer += 2 * norm_scale * self.head_size
-        total = v * d + self.n_layer * layer + norm_scale * d
-        total += self.block_size * d if self.pos_emb == "learned" else 0
-        total += 0 if self.tie_embeddings else v * d
-        return total
+        return sum(self.param_breakdown().values())
 
     def num_matmul_params(self) -> int:
         """Weights used in a matrix multiply per token: every block's linear layers and the head."""
-        return self.n_layer * self._layer_matmul_params() + self.padded_vocab_size * self.n_embd
+        layer = self._attention_params(bias=False) + self._mlp_params(bias=False)
+        return self.n_layer * layer + self.padded_vocab_size * self.n_embd
+
+    def _attention_params(self, bias: bool) -> int:
+        """One block's QKV and output projections (with their biases if `bias`)."""
+        d, q_out, kv_out = self.n_embd, self.n_head * self.head_size, self.kv_heads * self.head_size
+        weights = d * (q_out + 2 * kv_out) + q_out * d
+        return weights + (q_out + 2 * kv_out + d if bias else 0)
+
+    def _mlp_params(self, bias: bool) -> int:
+        """One block's MLP: fused gate+up (SwiGLU) or fc, then proj (with their biases if `bias`)."""
+        d, ff = self.n_embd, self.ff_size
+        n_in = 2 if self.mlp == "swiglu" else 1
+        return (n_in + 1) * d * ff + (n_in * ff + d if bias else 0)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token: 6·N_matmul + 12·L·H·head_dim·T.

@@ -26,40 +26,14 @@ from dataclasses import dataclass
 from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
 
-COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
-
-
 # ---- parameters --------------------------------------------------------------------------------
-
-
-def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by component; the values sum to `cfg.num_params()` (a tied head counts 0)."""
-    d, v, L = cfg.n_embd, cfg.padded_vocab_size, cfg.n_layer
-    q_out, kv_out, ff = cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ff_size
-    n_in = 2 if cfg.mlp == "swiglu" else 1  # SwiGLU's gate and up projections
-    norm_scale = 2 if cfg.norm == "layernorm" and cfg.bias else 1  # weight (+ bias)
-    attn = d * (q_out + 2 * kv_out) + q_out * d
-    mlp = (n_in + 1) * d * ff
-    if cfg.bias:
-        attn += q_out + 2 * kv_out + d
-        mlp += n_in * ff + d
-    norms = 2 * norm_scale * d + (2 * norm_scale * cfg.head_size if cfg.qk_norm else 0)
-    out = {
-        "embeddings": v * d + (cfg.block_size * d if cfg.pos_emb == "learned" else 0),
-        "attention": L * attn,
-        "mlp": L * mlp,
-        "norms": L * norms + norm_scale * d,
-        "head": 0 if cfg.tie_embeddings else v * d,
-    }
-    total = sum(out.values())
-    if total != cfg.num_params():  # two derivations of one number must agree
-        raise AssertionError(f"breakdown sums to {total:,}, config says {cfg.num_params():,}")
-    return out
+# The per-component count is `ModelConfig.param_breakdown` (kiln.model, below this layer), and
+# `ModelConfig.num_params` is its sum: one definition, checked against the module at start-up.
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
     """Parameters outside the token and position embeddings (Kaplan et al.'s N)."""
-    return cfg.num_params() - param_breakdown(cfg)["embeddings"]
+    return cfg.num_params() - cfg.param_breakdown()["embeddings"]
 
 
 # ---- FLOPs -------------------------------------------------------------------------------------

@@ -164,7 +164,6 @@ def account_report(cfg: Any, seq_len: int, micro_batch: int) -> dict[str, Any]:
         flop_count,
         memory_estimate,
         non_embedding_params,
-        param_breakdown,
     )
 
     full, causal = flop_count(cfg, seq_len), flop_count(cfg, seq_len, causal=True)
@@ -178,7 +177,7 @@ def account_report(cfg: Any, seq_len: int, micro_batch: int) -> dict[str, Any]:
             }  # fmt: skip
     return {
         "params": {
-            **param_breakdown(cfg),
+            **cfg.param_breakdown(),
             "total": cfg.num_params(),
             "non_embedding": non_embedding_params(cfg),
             "matmul": cfg.num_matmul_params(),

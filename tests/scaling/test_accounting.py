@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.model import ModelConfig, Transformer
+from kiln.model.config import PARAM_COMPONENTS
 from kiln.scaling.accounting import (
     activation_bytes,
     flop_count,
@@ -16,7 +17,6 @@ from kiln.scaling.accounting import (
     mean_keys_per_query,
     memory_estimate,
     optimizer_state_bytes,
-    param_breakdown,
     param_tensor_count,
 )
 from kiln.train.config import OptimConfig
@@ -44,7 +44,7 @@ def component_of(name: str) -> str:
 
 def measured_breakdown(model: torch.nn.Module) -> dict[str, int]:
     """Parameters of the module by component (a tied head appears once, as the embedding)."""
-    out = dict.fromkeys(("embeddings", "attention", "mlp", "norms", "head"), 0)
+    out = dict.fromkeys(PARAM_COMPONENTS, 0)
     for name, p in model.named_parameters():
         out[component_of(name)] += p.numel()
     return out
@@ -80,8 +80,8 @@ def model_configs(draw: st.DrawFn) -> ModelConfig:
 @given(model_configs())
 def test_breakdown_matches_the_module_by_component(cfg: ModelConfig) -> None:
     model = Transformer(cfg)
-    assert param_breakdown(cfg) == measured_breakdown(model)
-    assert sum(param_breakdown(cfg).values()) == sum(p.numel() for p in model.parameters())
+    assert cfg.param_breakdown() == measured_breakdown(model)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     assert param_tensor_count(cfg) == len(list(model.parameters()))
 
 
