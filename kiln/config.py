@@ -2,7 +2,7 @@
 
 A config is a tree of dataclasses. Loading checks every key against the dataclass fields and
 every value against the field's type annotation, so a typo or a wrong type fails with the dotted
-key and the expected type. A field annotated `dict[str, Any]` may carry a schema in its metadata
+key and the expected type; a float field must be finite (TOML's inf and nan are refused). A field annotated `dict[str, Any]` may carry a schema in its metadata
 (`field(metadata={"schema": SomeDataclass})`): its keys are then the schema's field names, typed
 the same way (this is how a `[model]` table holds any ModelConfig field without repeating them).
 
@@ -32,6 +32,16 @@ _NONE_WORDS = ("none", "null")
 
 class ConfigError(KilnError, ValueError):
     """A config key or value that is not allowed; the message names the dotted key."""
+
+
+class _NotFinite(ConfigError):
+    """A float field given inf or nan (reported as such, not as a type mismatch)."""
+
+
+def require(ok: bool, message: str, error: type[ConfigError] = ConfigError) -> None:
+    """Raise `error(message)` unless ok: the one check config dataclasses validate with."""
+    if not ok:
+        raise error(message)
 
 
 # ---- types ------------------------------------------------------------------------------------
@@ -82,9 +92,14 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        for arm in (a for a in args if a is not type(None)):
+        arms = [a for a in args if a is not type(None)]
+        if isinstance(value, Mapping) and len(arms) == 1 and dataclasses.is_dataclass(arms[0]):
+            return coerce(value, arms[0], key)  # the table's own error names the inner key
+        for arm in arms:
             try:
                 return coerce(value, arm, key)
+            except _NotFinite:
+                raise
             except ConfigError:
                 continue
         raise _bad(key, value, tp)
@@ -102,6 +117,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise _bad(key, value, tp)
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML reads inf and nan; no setting means either
+                raise _NotFinite(f"{key} = {value!r}: expected a finite number")
             return float(value)
         raise _bad(key, value, tp)
     if tp is str:

@@ -60,22 +60,22 @@ class TokenizeConfig:
         if not self.inputs:
             raise KilnError("no input files given")
         if self.val_docs is not None and self.val_fraction is not None:
-            raise KilnError("give either --val-docs or --val-fraction, not both")
+            raise KilnError("give either val_docs or val_fraction, not both")
         if self.val_docs is not None and self.val_docs < 0:
-            raise KilnError(f"--val-docs must be >= 0, got {self.val_docs}")
+            raise KilnError(f"val_docs must be >= 0, got {self.val_docs}")
         if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
-            raise KilnError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+            raise KilnError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.shard_tokens < 1:
-            raise KilnError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+            raise KilnError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
         if self.workers is not None and self.workers < 1:
-            raise KilnError(f"--workers must be >= 1, got {self.workers}")
+            raise KilnError(f"workers must be >= 1, got {self.workers}")
 
     def n_val(self, total: int) -> int:
         """How many of `total` documents go to the val split (at least one train doc remains)."""
         if self.val_docs is not None:
             if self.val_docs >= total and self.val_docs > 0:
                 raise KilnError(
-                    f"--val-docs {self.val_docs} leaves no training documents: the inputs hold "
+                    f"val_docs = {self.val_docs} leaves no training documents: the inputs hold "
                     f"{total} documents"
                 )
             return self.val_docs

@@ -6,21 +6,21 @@ planning tools can size a model without building it; `Transformer` checks the co
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import tomllib
+import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln import config as cfgio
+from kiln.config import ConfigError, require
 
 PARAM_COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
 
 
-class ModelConfigError(KilnError, ValueError):
+class ModelConfigError(ConfigError):
     """A model config that cannot describe a valid model; the message names the field."""
+
+
+_require = functools.partial(require, error=ModelConfigError)
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,19 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        """The interpolation divides by the factor and by high_freq_factor - low_freq_factor."""
+        _require(self.factor > 0, f"rope_scaling.factor must be > 0, got {self.factor}")
+        _require(
+            0 < self.low_freq_factor < self.high_freq_factor,
+            "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+            f"{self.low_freq_factor} and {self.high_freq_factor}",
+        )
+        _require(
+            self.original_max_seq_len >= 1,
+            f"rope_scaling.original_max_seq_len must be >= 1, got {self.original_max_seq_len}",
+        )
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class ModelConfig:
     logit_softcap: float | None = None  # logits -> c·tanh(logits / c)
     sliding_window: int | None = None  # keys further back than this are masked...
     window_pattern: str = "L"  # ...in layers marked L; G layers are global; cycled over layers
-    attention_backend: str = "sdpa"  # "sdpa" | "math" (can return weights) | "triton"
+    attention_backend: str = "sdpa"  # "sdpa" | "math" (the textbook formula) | "triton"
     dropout: float = 0.0
     init_std: float = 0.02
 
@@ -116,15 +129,11 @@ class ModelConfig:
         )
         _require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         _require(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
-        if isinstance(self.rope_scaling, dict):  # from JSON/TOML
-            try:
-                scaling = RopeScaling(**self.rope_scaling)
-            except TypeError:
-                raise ModelConfigError(
-                    f"rope_scaling takes {[f.name for f in dataclasses.fields(RopeScaling)]}, "
-                    f"got {sorted(self.rope_scaling)}"
-                ) from None
-            object.__setattr__(self, "rope_scaling", scaling)
+        _require(
+            self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+            f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r} "
+            "(plain data goes through ModelConfig.from_dict)",
+        )
 
     # ---- derived sizes -------------------------------------------------------------------------
 
@@ -210,66 +219,16 @@ class ModelConfig:
         attn = 12 * self.n_layer * self.n_head * self.head_size * seq_len
         return 6 * self.num_matmul_params() + attn
 
-    # ---- serialisation ---------------------------------------------------------------------------
+    # ---- plain data (kiln/config.py's typed reader and writer, like every config section) --------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (nested rope_scaling as a dict), suitable for JSON or TOML."""
-        return dataclasses.asdict(self)
+        """Plain data (rope_scaling as a table), for TOML via `kiln.config.to_toml` or JSON."""
+        return cfgio.to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from plain data; an unknown key is an error naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ModelConfigError(f"unknown model config field(s): {', '.join(unknown)}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        """JSON text of the config."""
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
-        """Parse JSON text written by `to_json`."""
-        return cls.from_dict(json.loads(text))
-
-    def to_toml(self) -> str:
-        """TOML text of the config (fields that are None are omitted: they mean the default)."""
-        lines: list[str] = []
-        tables: list[str] = []
-        for key, value in self.to_dict().items():
-            if value is None:
-                continue
-            if isinstance(value, dict):
-                tables.append(f"\n[{key}]")
-                tables.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        return "\n".join(lines + tables) + "\n"
-
-    @classmethod
-    def from_toml(cls, text: str) -> ModelConfig:
-        """Parse TOML text written by `to_toml` (or by hand)."""
-        return cls.from_dict(tomllib.loads(text))
-
-    def save(self, path: str | Path) -> None:
-        """Write the config as JSON or TOML, chosen by the file suffix."""
-        path = Path(path)
-        path.write_text(self.to_toml() if path.suffix == ".toml" else self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> ModelConfig:
-        """Read a config written by `save` (.json or .toml)."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ModelConfigError(f"{path}: cannot read model config ({exc.strerror})") from None
-        try:
-            return cls.from_toml(text) if path.suffix == ".toml" else cls.from_json(text)
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise ModelConfigError(f"{path}: not a valid model config ({exc})") from None
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> ModelConfig:
+        """Build from plain data, every value type-checked; an unknown key is named."""
+        return cfgio.from_dict(cls, data, where)
 
     # ---- presets ---------------------------------------------------------------------------------
 
@@ -279,21 +238,6 @@ class ModelConfig:
         if name not in PRESETS:
             raise ModelConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
-
-
-def _require(ok: bool, message: str) -> None:
-    """Raise ModelConfigError(message) unless ok."""
-    if not ok:
-        raise ModelConfigError(message)
-
-
-def _toml_value(value: Any) -> str:
-    """One scalar as TOML (JSON's string escapes are valid TOML basic strings)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
-    return json.dumps(value)
 
 
 # GPT-2 is the dataclass default; the Llama-style family swaps every switch at once.

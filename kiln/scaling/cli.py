@@ -121,6 +121,7 @@ def register(sub: Any) -> None:
 
 def load_model(spec: str) -> tuple[Any, int | None, int | None]:
     """(ModelConfig, seq_len, micro_batch) from a preset, a model config, or a train config."""
+    from kiln import config as cfgio
     from kiln.model.config import PRESETS, ModelConfig
 
     if spec in PRESETS:
@@ -135,7 +136,17 @@ def load_model(spec: str) -> tuple[Any, int | None, int | None]:
             raise KilnError(f"{path}: not valid TOML ({exc})") from None
         if "data" in data and isinstance(data.get("model"), dict):
             return _train_config_model(path)
-    return ModelConfig.load(path), None, None
+        return cfgio.load(ModelConfig, path), None, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KilnError(f"{path}: not a .toml file nor valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"{path}: expected a JSON object of model config fields")
+    try:
+        return ModelConfig.from_dict(data), None, None
+    except KilnError as exc:
+        raise KilnError(f"{path}: {exc}") from None
 
 
 def _train_config_model(path: Path) -> tuple[Any, int | None, int | None]:

@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kiln import config as cfgio
-from kiln.config import ConfigError
+from kiln.config import ConfigError, require
 from kiln.model.config import ModelConfig, ModelConfigError
 
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+_check = require  # the one config check (kiln/config.py), raising ConfigError
 
 
 @dataclass

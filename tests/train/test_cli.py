@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from kiln.config import ConfigError
+from kiln.cli import main
+from kiln.config import ConfigError, to_toml
 from kiln.train.cli import register
 
 from .conftest import CONFIGS
@@ -62,3 +64,23 @@ def test_bad_override_is_a_config_error_naming_the_key() -> None:
         _run(str(CONFIGS / "tiny.toml"), "--set", "optim.lr='fast'")
     with pytest.raises(ConfigError, match=r"--set optim\.lrr=1: unknown config key optim\.lrr"):
         _run(str(CONFIGS / "tiny.toml"), "--set", "optim.lrr=1")
+
+
+@pytest.mark.parametrize(
+    ("key", "text"),
+    [("lr", "inf"), ("weight_decay", "inf"), ("lr", "nan"), ("eps", "-inf")],
+)
+def test_non_finite_float_in_the_config_is_one_clear_line(
+    key: str, text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # lr = inf used to be accepted and the run died at step 2; now loading refuses it.
+    data = tomllib.loads((CONFIGS / "tiny.toml").read_text())
+    data["optim"][key] = float(text)
+    config = tmp_path / "bad.toml"
+    config.write_text(to_toml(data))
+    assert f"{key} = {text}" in config.read_text()
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kiln: error: {config}: optim.{key} = {text}: expected a finite number"]
+    assert main(["train", str(CONFIGS / "tiny.toml"), "--set", f"optim.{key}={text}"]) == 2
+    assert f"optim.{key} = {text}: expected a finite number" in capsys.readouterr().err
