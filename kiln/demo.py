@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
+from kiln.tokenizer.special import EOT
 
 if TYPE_CHECKING:  # torch-heavy modules are imported inside the steps that need them
     from kiln.model import Transformer
     from kiln.tokenizer import Tokenizer
     from kiln.train.trainer import RunResult, Trainer
 
-EOT = "<|endoftext|>"
 STORY_PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom and his dog")
 DEMO_SAMPLE = "Once upon a time, a little robot named Kiln baked 3 loaves of bread. It's warm!"
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from kiln.cli import add_command_group, add_subcommand
 from kiln.errors import KilnError
+from kiln.tokenizer.special import EOT
 
 _EXAMPLES = {
     "run": """examples:
@@ -122,9 +123,7 @@ def _add_tokenize(commands: Any) -> None:
         help="tokens per shard at most, unless one document is longer (default 100M)",
     )
     p.add_argument("--text-field", default="text", metavar="F", help="JSON field of .jsonl text")
-    p.add_argument(
-        "--eot-token", default="<|endoftext|>", metavar="T", help="the document separator token"
-    )
+    p.add_argument("--eot-token", default=EOT, metavar="T", help="the document separator token")
     p.add_argument("--force", action="store_true", help="replace an existing dataset at DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_tokenize)

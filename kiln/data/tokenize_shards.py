@@ -32,8 +32,9 @@ from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.tokenizer import Tokenizer
+from kiln.tokenizer.special import EOT
 
-DEFAULT_EOT = "<|endoftext|>"
+DEFAULT_EOT = EOT
 SPLITS = ("train", "val")
 
 

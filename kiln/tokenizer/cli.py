@@ -12,8 +12,9 @@ from typing import Any
 from kiln.cli import add_command_group, add_subcommand
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
+from kiln.tokenizer.special import EOT
 
-DEFAULT_SPECIAL = "<|endoftext|>"
+DEFAULT_SPECIAL = EOT
 
 _TOKENIZER_HELP = (
     "a kiln tokenizer.json, an HF tokenizer.json, or gpt2:VOCAB_JSON:MERGES_TXT for GPT-2's files"
@@ -301,7 +302,7 @@ def parse_special_ids(items: Sequence[str]) -> dict[str, int] | None:
     for item in items:
         name, sep, number = item.rpartition("=")
         if not sep or not name or not number.isdigit():
-            raise KilnError(f"--special-token {item!r}: expected NAME=ID, e.g. '<|endoftext|>=100'")
+            raise KilnError(f"--special-token {item!r}: expected NAME=ID, e.g. '{EOT}=100'")
         out[name] = int(number)
     return out
 

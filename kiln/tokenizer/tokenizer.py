@@ -17,6 +17,7 @@ from kiln.tokenizer.pretokenize import (
     split_on_specials_with,
     to_utf8,
 )
+from kiln.tokenizer.special import EOT
 
 Backend = Literal["auto", "native", "reference"]
 AllowedSpecial = Literal["all"] | Collection[str]
@@ -126,7 +127,7 @@ class Tokenizer:
         cls,
         vocab_json_path: str | os.PathLike[str],
         merges_txt_path: str | os.PathLike[str],
-        special_tokens: Sequence[str] = ("<|endoftext|>",),
+        special_tokens: Sequence[str] = (EOT,),
     ) -> Tokenizer:
         """Load GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
         from kiln.tokenizer.formats import read_gpt2

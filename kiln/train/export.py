@@ -23,10 +23,10 @@ from kiln.errors import KilnError
 from kiln.io import check_can_write, sha256_file, write_json_atomic
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import Transformer
+from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train import checkpoint as ckpt
 
-EOT = "<|endoftext|>"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

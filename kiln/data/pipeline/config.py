@@ -27,6 +27,7 @@ from kiln.data.pipeline.quality_fineweb import FineWebConfig
 from kiln.data.pipeline.quality_gopher import GopherQualityConfig, GopherRepetitionConfig
 from kiln.data.pipeline.readers import detect_format
 from kiln.errors import KilnError
+from kiln.tokenizer.special import EOT
 
 FORMATS = ("auto", "txt", "jsonl", "parquet", "html", "warc")
 
@@ -40,7 +41,7 @@ class SourceSpec:
     format: str = "auto"  # auto: from each file's extension
     text_field: str = "text"  # jsonl/parquet
     id_field: str = ""  # jsonl/parquet: a field holding a stable document id, if any
-    separator: str = "<|endoftext|>"  # txt: the line that separates documents
+    separator: str = EOT  # txt: the line that separates documents
     share: float | None = None  # target share of the final training mixture, in tokens
     rate: float | None = None  # or: repeat each document this many times on average (0.5, 2)
 
@@ -94,7 +95,7 @@ class TokenizeStageConfig:
     """The tokenizer and the shard layout of the output dataset."""
 
     tokenizer: str = ""  # a kiln tokenizer.json (or HF tokenizer.json / GPT-2 vocab directory)
-    eot_token: str = "<|endoftext|>"
+    eot_token: str = EOT
     shard_tokens: int = 100_000_000
 
     def __post_init__(self) -> None:

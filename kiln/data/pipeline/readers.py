@@ -27,6 +27,7 @@ from kiln.data.pipeline import warc
 from kiln.data.pipeline.document import Document
 from kiln.errors import KilnError
 from kiln.io import COMPRESSED_SUFFIXES, open_binary, strip_compression
+from kiln.tokenizer.special import EOT
 
 FORMATS = ("txt", "jsonl", "parquet", "html", "warc")
 _EXTENSIONS = {
@@ -139,7 +140,7 @@ def iter_records(
     *,
     text_field: str = "text",
     id_field: str | None = None,
-    separator: str = "<|endoftext|>",
+    separator: str = EOT,
     issues: ReadIssues,
     start: int = 0,
     stop: int | None = None,
@@ -170,7 +171,7 @@ def count_records(
     path: str,
     fmt: str,
     *,
-    separator: str = "<|endoftext|>",
+    separator: str = EOT,
 ) -> int:
     """The number of items `iter_records` yields for this file, found without decoding records.
 

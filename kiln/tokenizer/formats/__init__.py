@@ -31,6 +31,7 @@ from kiln.tokenizer.formats.tiktoken_ranks import (
     read_tiktoken,
     write_tiktoken,
 )
+from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
 
 FORMATS = ("kiln", "hf", "gpt2", "tiktoken")
@@ -109,7 +110,7 @@ def read_any(
             raise KilnError(
                 f"{os.fspath(path)}: a GPT-2 vocab.json needs its merges.txt (--merges)"
             )
-        names = list(special_tokens) if special_tokens is not None else ["<|endoftext|>"]
+        names = list(special_tokens) if special_tokens is not None else [EOT]
         return read_gpt2(path, merges, names)
     if fmt == "tiktoken":
         return read_tiktoken(path, pattern, special_tokens)

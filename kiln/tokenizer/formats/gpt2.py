@@ -18,6 +18,7 @@ from kiln.tokenizer.formats.common import (
     load_json,
     read_text,
 )
+from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
 
 
@@ -77,7 +78,7 @@ def _read_gpt2_merges(path: PathLike) -> list[tuple[str, bytes, bytes]]:
 
 
 def read_gpt2(
-    vocab_json: PathLike, merges_txt: PathLike, special_tokens: Sequence[str] = ("<|endoftext|>",)
+    vocab_json: PathLike, merges_txt: PathLike, special_tokens: Sequence[str] = (EOT,)
 ) -> Tokenizer:
     """Load GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
     vocab, specials = token_strings_to_vocab(

@@ -1,0 +1,5 @@
+"""The special token kiln itself relies on, defined once."""
+
+# GPT-2's end-of-text token: it ends every document in a token stream, and a line holding only
+# it separates documents in a .txt corpus. Every module that needs the text imports it from here.
+EOT = "<|endoftext|>"
