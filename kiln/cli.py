@@ -1,4 +1,8 @@
-"""The `kiln` command: each package contributes its subcommands through a `register` function."""
+"""The `kiln` entry point: builds the parser from each package's `register`, runs the handler.
+
+Subcommands are added through `kiln.commands` (one helper, one "examples:" block in every --help);
+errors a user can fix (KilnError) print as one line, with --debug for the traceback.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ from collections.abc import Callable, Sequence
 from kiln import __version__
 from kiln.errors import KilnError
 
-# (module, attribute) pairs imported lazily, so `kiln --help` stays fast and torch is only
-# imported by the commands that need it.
+# Modules whose `register(sub)` adds their subcommands; each imports torch only in its handlers,
+# so `kiln --help` stays fast.
 _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
@@ -22,40 +26,13 @@ _COMMAND_MODULES: list[str] = [
 ]
 
 
-def add_command_group(
-    sub: argparse._SubParsersAction, name: str, help_text: str, description: str, example: str
-) -> argparse._SubParsersAction:
-    """Add `kiln NAME` with its own subcommands; bare `kiln NAME` prints the group's help."""
-    group = sub.add_parser(
-        name,
-        help=help_text,
-        description=description,
-        epilog=f"example: {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    group.set_defaults(handler=lambda args: group.print_help() or 0)
-    return group.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
-
-
-def add_subcommand(
-    commands: argparse._SubParsersAction, name: str, help_text: str, examples: str
-) -> argparse.ArgumentParser:
-    """Add one subcommand whose --help ends with its examples."""
-    return commands.add_parser(
-        name,
-        help=help_text,
-        description=help_text,
-        epilog=examples,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Build the full argument parser with every package's subcommands."""
     parser = argparse.ArgumentParser(
         prog="kiln",
         description="kiln: raw text to a trained, evaluated, servable language model.",
-        epilog="Example: kiln demo   |   kiln tokenizer train corpus.txt --vocab-size 8000",
+        epilog="examples:\n  kiln demo\n  kiln tokenizer train corpus.txt --vocab-size 8000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")

@@ -176,14 +176,16 @@ def _write_report(
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kiln demo` to the CLI."""
-    parser = sub.add_parser(
+    from kiln.commands import add_subcommand
+
+    parser = add_subcommand(
+        sub,
         "demo",
-        help="run the whole path on the embedded TinyStories corpus",
+        "run the whole path on the embedded TinyStories corpus",
+        "examples:\n  kiln demo --out runs/demo\n  kiln demo --steps 20   # a quick look",
         description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
         "shards, train a small Llama-style model on the CPU, report its validation loss and "
         "sample three stories; everything goes under one run folder.",
-        epilog="Example: kiln demo --out runs/demo\n         kiln demo --steps 20   (a quick look)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
     parser.add_argument("--steps", type=int, help="training steps (default: the demo config's)")

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from kiln.cli import add_command_group, add_subcommand
+from kiln.commands import add_command_group, add_subcommand
 from kiln.errors import KilnError
 from kiln.tokenizer.special import EOT
 

@@ -25,7 +25,7 @@ checkpoint directory (checkpoints/step_N) or a run directory (its latest checkpo
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kiln eval` to the `kiln` command."""
-    from kiln.cli import add_subcommand
+    from kiln.commands import add_subcommand
 
     p = add_subcommand(sub, "eval", "evaluate a model: tasks, val loss, bits-per-byte", EXAMPLES)
     p.description = (

@@ -24,14 +24,21 @@ class TextCodec(Protocol):
         ...
 
 
+EXAMPLES = """examples:
+  kiln sample runs/hf-gpt2 --prompt 'Once upon a time' --max-tokens 100 --temperature 0.8 \\
+      --top-k 50 --seed 0"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kiln sample` to the `kiln` command."""
-    p = sub.add_parser(
+    from kiln.commands import add_subcommand
+
+    p = add_subcommand(
+        sub,
         "sample",
-        help="generate text from a model directory (Hugging Face format: config.json + safetensors)",
+        "generate text from a model directory (Hugging Face format: config.json + safetensors)",
+        EXAMPLES,
         description="Generate text from a model, printing tokens as they are decoded.",
-        epilog="Example: kiln sample runs/hf-gpt2 --prompt 'Once upon a time' --max-tokens 100 "
-        "--temperature 0.8 --top-k 50 --seed 0",
     )
     p.add_argument("model", help="model directory with config.json and model.safetensors")
     prompt = p.add_mutually_exclusive_group(required=True)

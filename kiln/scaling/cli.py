@@ -37,7 +37,7 @@ FIT_EXAMPLES = """examples:
 
 def register(sub: Any) -> None:
     """Add `kiln scaling` and its subcommands to the `kiln` parser."""
-    from kiln.cli import add_command_group, add_subcommand
+    from kiln.commands import add_command_group, add_subcommand
 
     group = add_command_group(
         sub, "scaling", "parameter/FLOP/memory accounting, compute-optimal plans, scaling fits",

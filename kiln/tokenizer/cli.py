@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kiln.cli import add_command_group, add_subcommand
+from kiln.commands import add_command_group, add_subcommand
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
 from kiln.tokenizer.special import EOT

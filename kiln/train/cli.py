@@ -30,7 +30,7 @@ PLOT_EXAMPLES = """examples:
 
 def register(sub: Any) -> None:
     """Add `kiln train` to the top-level `kiln` parser."""
-    from kiln.cli import add_subcommand
+    from kiln.commands import add_subcommand
 
     p = add_subcommand(sub, "train", "train a language model from a TOML config", EXAMPLES)
     p.description = (
@@ -62,7 +62,7 @@ def register(sub: Any) -> None:
 
 def _register_export(sub: Any) -> None:
     """Add `kiln export RUN --hf DIR`."""
-    from kiln.cli import add_subcommand
+    from kiln.commands import add_subcommand
 
     p = add_subcommand(
         sub, "export", "export a run's checkpoint as a Hugging Face model directory",
@@ -88,7 +88,7 @@ def _register_export(sub: Any) -> None:
 
 def _register_plot(sub: Any) -> None:
     """Add `kiln plot RUN`."""
-    from kiln.cli import add_subcommand
+    from kiln.commands import add_subcommand
 
     p = add_subcommand(
         sub, "plot", "plot a run's metrics as PNG curves and an HTML report", PLOT_EXAMPLES

@@ -1,0 +1,46 @@
+"""How a package adds its subcommands to `kiln`: one helper, so every --help ends the same way.
+
+Each package's `cli.py` has a `register(sub)` that calls `add_subcommand` (or `add_command_group`
+for a `kiln NAME SUBCOMMAND` family). Every help text then ends with an "examples:" block of
+indented command lines, the block a user looks for first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES_HEADER = "examples:\n"
+
+
+def add_command_group(
+    sub: argparse._SubParsersAction, name: str, help_text: str, description: str, example: str
+) -> argparse._SubParsersAction:
+    """Add `kiln NAME` with its own subcommands; bare `kiln NAME` prints the group's help."""
+    group = sub.add_parser(
+        name,
+        help=help_text,
+        description=description,
+        epilog=f"{EXAMPLES_HEADER}  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group.set_defaults(handler=lambda args: group.print_help() or 0)
+    return group.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND")
+
+
+def add_subcommand(
+    commands: argparse._SubParsersAction,
+    name: str,
+    help_text: str,
+    examples: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """Add one subcommand whose --help ends with `examples` ("examples:" + indented lines)."""
+    if not examples.startswith(EXAMPLES_HEADER + "  "):
+        raise ValueError(f"kiln {name}: examples must start with {EXAMPLES_HEADER!r} and indent")
+    return commands.add_parser(
+        name,
+        help=help_text,
+        description=description or help_text,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
