@@ -1,14 +1,16 @@
 """Many processes: the process group from torchrun's environment, and how the model is parallelised.
 
 torchrun starts one process per device and tells each its place in RANK, WORLD_SIZE and
-LOCAL_RANK (plus MASTER_ADDR/MASTER_PORT for the rendezvous). `process_group_from_env` joins
-the group (nccl on CUDA, gloo on the CPU); `parallelize` wraps the model from outside, in
-torchtitan's order: compile each block, then data parallelism over the whole model —
+LOCAL_RANK (plus MASTER_ADDR/MASTER_PORT for the rendezvous). `DistInfo.from_env` reads them and
+`join_from_env` joins the group for the life of the process (nccl on CUDA, gloo on the CPU);
+`parallelize` wraps the model from outside, in torchtitan's order: with several processes,
+compile each block (if train.compile), then data parallelism over the whole model —
 DistributedDataParallel ("ddp", every rank holds all weights) or FSDP2 ("fsdp", `fully_shard`
-per block then the root on a 1-D DeviceMesh, every rank holds a 1/world_size shard).
+per block then the root on a 1-D DeviceMesh, every rank holds a 1/world_size shard). One
+process trains the model as it is (compiled whole if train.compile).
 
-The small collectives the loop needs (mean of a scalar across ranks, gathering per-rank objects,
-agreeing on a stop) are here too, so trainer.py reads the same with one process or many.
+The small collectives the loop needs (mean or sum of a tensor across ranks, gathering per-rank
+objects, agreeing on a stop) are here too, so trainer.py reads the same with one process or many.
 """
 
 from __future__ import annotations
