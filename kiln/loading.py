@@ -256,7 +256,12 @@ def load_checkpoint(
 
 def hf_eos_ids(model_dir: Path) -> list[int]:
     """The end-of-sequence id(s) named in an HF model's config.json, if any."""
-    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+    file = model_dir / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KilnError(f"{file}: not a readable JSON model config ({exc})") from None
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
@@ -283,6 +288,7 @@ def _load_hf(
     """An HF directory's model, the tokenizer beside it (or given), its eos ids, its description."""
     from kiln.model.hf import load_hf_dir
 
+    eos = hf_eos_ids(path)  # reads config.json first: a broken one is one clear line
     model = load_hf_dir(path, device=device)
     tok_path = _tokenizer_file(Path(tokenizer)) if tokenizer is not None else None
     tok_path = tok_path or hf_tokenizer_file(path)
@@ -294,7 +300,6 @@ def _load_hf(
             f"{path}: no tokenizer.json or vocab.json beside the model (looked for "
             f"{', '.join(str(path / n) for n in HF_TOKENIZER_NAMES)}){TOKENIZER_HINT}"
         )
-    eos = hf_eos_ids(path)
     if not eos and tok is not None and EOT in tok.special_tokens:
         eos = [tok.special_tokens[EOT]]
     source = f"HF model folder {path}"

@@ -232,6 +232,9 @@ def test_an_unrecognised_folder_is_one_line_saying_what_was_looked_for(tmp_path:
         f"{tmp_path}, for {tmp_path / 'checkpoints'}/ (a run or its train/ folder) and for "
         f"{tmp_path / 'train' / 'checkpoints'}/ (a kiln demo folder)"
     )
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(KilnError, match=r"config\.json: not a readable JSON model config"):
+        load_model(tmp_path)
     with pytest.raises(KilnError, match="no such model folder"):
         load_model(tmp_path / "missing")
     with pytest.raises(KilnError, match="not a folder"):
@@ -275,10 +278,15 @@ def test_kiln_eval_takes_a_demo_folder(
 ) -> None:
     text = tmp_path / "story.txt"
     text.write_text("Lily and Tom went to the park. They played on the swings all day.\n")
-    code, out, err = run(capsys, "eval", str(demo), "--bpb", str(text), "--no-progress")
+    result = tmp_path / "r.json"
+    code, out, err = run(capsys, "eval", str(demo), "--bpb", str(text), "--no-progress",
+                         "--out", str(result))  # fmt: skip
     assert code == 0, err
     assert "bits/byte" in out
     assert err.count("kiln eval: dtype auto → ") == 1
+    settings = json.loads(result.read_text())["settings"]
+    assert settings["precision"]["requested"] == "auto"
+    assert settings["dtype"] == settings["precision"]["dtype"] in ("fp32", "bf16")
     assert f"(tokenizer {demo / 'tokenizer.json'})" in err
 
 
