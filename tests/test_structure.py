@@ -9,8 +9,6 @@ import kiln
 from kiln.tokenizer.special import EOT
 
 KILN = Path(kiln.__file__).parent
-# Being replaced by kiln/loading.py in parallel work; drop from this set once it is gone.
-PENDING_REMOVAL = {"eval/loading.py"}
 
 
 def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
@@ -21,6 +19,6 @@ def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
         literals = [
             node for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value == EOT
         ]
-        if literals and name not in PENDING_REMOVAL:
+        if literals:
             holders.append(name)
     assert holders == ["tokenizer/special.py"]

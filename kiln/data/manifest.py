@@ -64,6 +64,29 @@ class TokenizerEntry:
     eot_token: str
     eot_id: int
 
+    def locate(self, root: Path, extra: tuple[Path, ...] = (), hint: str = "") -> Path | None:
+        """The tokenizer file the shards in `root` were encoded with (its sha256 checked).
+
+        Looked for at the recorded path, then beside the dataset, then in `extra`; None when no
+        candidate exists, a KilnError (plus `hint`) when candidates exist but none has the
+        recorded sha256 (samples or scores decoded with another tokenizer would mislead).
+        """
+        from kiln.io import sha256_file
+
+        recorded = Path(self.path)
+        candidates = dict.fromkeys([recorded, Path(root) / recorded.name, *extra])
+        found = [p for p in candidates if p.is_file()]
+        for path in found:
+            if sha256_file(path) == self.sha256:
+                return path
+        if not found:
+            return None
+        actual = sha256_file(found[0])
+        raise KilnError(
+            f"{found[0]}: sha256 {actual[:12]}… differs from the tokenizer {root} was encoded "
+            f"with ({self.sha256[:12]}…, {self.path}){hint}"
+        )
+
 
 @dataclass(frozen=True)
 class Manifest:

@@ -19,8 +19,9 @@ EXAMPLES = """examples:
   kiln eval runs/demo --lm-eval-tasks my_task --lm-eval-include tasks/   # lm-eval-harness
   kiln eval --list-tasks
 
-MODEL is an HF directory (config.json + model.safetensors, e.g. from `kiln export`), a
-checkpoint directory (checkpoints/step_N) or a run directory (its latest checkpoint)."""
+MODEL is a kiln demo folder, a run folder or its train/ (the latest checkpoint), a run's
+checkpoints/ or one checkpoint (step_N), or an HF model folder (kiln export, or GPT-2/Llama
+saved by transformers, with its tokenizer beside it)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "dataset, bits-per-byte of a text file, and lm-evaluation-harness tasks.\n"
         "Prints a table; --out writes the results as JSON."
     )
-    p.add_argument("model", nargs="?", metavar="MODEL", help="HF, checkpoint or run directory")
+    p.add_argument(
+        "model", nargs="?", metavar="MODEL", help="demo, run, checkpoint or HF model folder"
+    )
     p.add_argument("--tasks", help="comma-separated task names, or 'all' (see --list-tasks)")
     p.add_argument("--list-tasks", action="store_true", help="list the known tasks and exit")
     p.add_argument("--limit", type=int, help="score only the first N items of each task")
@@ -58,8 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lm-eval-include", help="directory of extra lm-eval task YAML files")
     p.add_argument("--tokenizer", help="tokenizer file (default: the model's own)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument(
+        "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -75,7 +80,7 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"{spec.name:<14} {spec.filename:<24} {spec.description}")
         return 0
     if args.model is None:
-        raise KilnError("MODEL is required (an HF, checkpoint or run directory)")
+        raise KilnError("MODEL is required (a demo, run, checkpoint or HF model folder)")
     if not (args.tasks or args.val or args.bpb or args.lm_eval_tasks):
         raise KilnError("nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks")
     if args.limit is not None and args.limit < 1:
@@ -100,15 +105,19 @@ def run_eval(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any], str]:
     """Run the requested evaluations; the results document and its table."""
     from kiln.eval.lm import bits_per_byte, val_loss
-    from kiln.eval.loading import load_model
     from kiln.eval.multiple_choice import evaluate_task
     from kiln.eval.report import format_table, results_json
     from kiln.eval.scoring import Scorer
     from kiln.eval.tasks import load_task
+    from kiln.loading import load_model
 
     loaded_tasks = [load_task(name, args.data_dir, args.limit) for name in names]  # fail fast
     loaded = load_model(args.model, args.tokenizer, args.device, args.dtype)
     print(f"kiln eval: {loaded.source} (tokenizer {loaded.tokenizer_path})", file=sys.stderr)
+    print(f"kiln eval: {loaded.precision.describe()}", file=sys.stderr)
+    if loaded.precision.warning:
+        print(f"kiln eval: warning: {loaded.precision.warning}", file=sys.stderr)
+    device = next(loaded.model.parameters()).device
     scorer = Scorer(loaded.model, args.batch_size, progress=not args.no_progress)
     tasks = []
     for task in loaded_tasks:
@@ -128,8 +137,8 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
             args.batch_size, progress=not args.no_progress,
         )  # fmt: skip
     settings = {
-        "limit": args.limit, "batch_size": args.batch_size, "device": args.device,
-        "dtype": args.dtype, "stride": args.stride, "data_dir": str(args.data_dir),
+        "limit": args.limit, "batch_size": args.batch_size, "device": str(device),
+        "dtype": loaded.precision.name, "precision": loaded.precision.to_dict(), "stride": args.stride, "data_dir": str(args.data_dir),
     }  # fmt: skip
     doc = results_json(
         loaded.source, str(loaded.tokenizer_path), settings, tasks, val, bpb, harness

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.eval.loading import LoadedModel, load_model
 from kiln.eval.scoring import Scorer, encode_pair
+from kiln.loading import LoadedModel, load_model
 
 try:
     from lm_eval.api.model import LM

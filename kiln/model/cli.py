@@ -1,32 +1,31 @@
-"""`kiln sample`: generate text from a model directory, streaming tokens as they are decoded."""
+"""`kiln sample`: generate text from a model, streaming tokens as they are decoded."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Iterator
+from itertools import chain
+from typing import Any
 
 from kiln.errors import KilnError
 
+DESCRIPTION = """Generate text from a model, printing tokens as they are decoded.
 
-class TextCodec(Protocol):
-    """What sampling needs from a tokenizer."""
+MODEL is any folder kiln loads: a kiln demo folder, a run folder (or its train/), a run's
+checkpoints/ or one checkpoint (step_N), or an HF model folder (kiln export, or GPT-2/Llama
+saved by transformers) with its tokenizer beside it.
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text."""
-        ...
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
-        ...
-
+Special tokens: text in --prompt that spells a special token (e.g. <|endoftext|>) is refused
+by default, so a prompt never silently turns into a control token; --allow-special encodes
+such text as the control token instead."""
 
 EXAMPLES = """examples:
-  kiln sample runs/hf-gpt2 --prompt 'Once upon a time' --max-tokens 100 --temperature 0.8 \\
-      --top-k 50 --seed 0"""
+  kiln sample runs/demo-20260101-120000 --prompt 'Once upon a time' --max-tokens 100
+  kiln sample exports/demo --prompt 'Once upon a time' --temperature 0.8 --top-k 50 --seed 0
+  kiln sample runs/demo/train/checkpoints/step_500 --prompt-ids 50256,464 --temperature 0
+  kiln sample exports/demo --prompt 'The end.<|endoftext|>Once' --allow-special"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,18 +35,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_subcommand(
         sub,
         "sample",
-        "generate text from a model directory (Hugging Face format: config.json + safetensors)",
+        "generate text from a model (demo, run, checkpoint or HF folder)",
         EXAMPLES,
-        description="Generate text from a model, printing tokens as they are decoded.",
+        description=DESCRIPTION,
     )
-    p.add_argument("model", help="model directory with config.json and model.safetensors")
+    p.add_argument("model", metavar="MODEL", help="demo, run, checkpoint or HF model folder")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument(
+        "--prompt",
+        help="prompt text (special-token text such as <|endoftext|> is refused unless "
+        "--allow-special)",
+    )
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 50256,464")
+    p.add_argument(
+        "--allow-special",
+        action="store_true",
+        help="encode special-token text in --prompt as the control tokens it names",
+    )
     p.add_argument(
         "--tokenizer",
         help="kiln tokenizer.json, HF tokenizer.json, or a directory with GPT-2's vocab.json + "
-        "merges.txt (default: looked for in the model directory)",
+        "merges.txt (default: the model's own)",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
@@ -59,53 +67,106 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         action="append",
         default=None,
-        help="token id that ends the sample (repeatable; default: the model's eos_token_id)",
+        help="token id that ends the sample (repeatable; default: the model's end-of-text id)",
     )
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument(
+        "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
+    )
     p.set_defaults(handler=run_sample)
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    """Load the model (and tokenizer), then stream the sample to stdout."""
+    """Check the arguments, load the model (and tokenizer), then stream the sample to stdout."""
+    _check_args(args)  # every flag is checked before anything loads or prints
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    from kiln.loading import load_model
     from kiln.model.generate import stream
-    from kiln.model.hf import load_hf_dir
 
-    model_dir = Path(args.model)
-    model = load_hf_dir(model_dir, device=args.device).eval()
-    codec = None
-    if args.prompt is not None or args.tokenizer is not None:
-        codec = load_codec(Path(args.tokenizer) if args.tokenizer else model_dir)
-    if codec is not None and args.prompt is not None:
-        ids = codec.encode(args.prompt)
+    loaded = load_model(
+        args.model, args.tokenizer, args.device, args.dtype, need_tokenizer=prompt_ids is None
+    )
+    print(f"kiln sample: {loaded.source}", file=sys.stderr)
+    print(f"kiln sample: {loaded.precision.describe()}", file=sys.stderr)
+    if loaded.precision.warning:
+        print(f"kiln sample: warning: {loaded.precision.warning}", file=sys.stderr)
+    tok = loaded.tokenizer
+    if prompt_ids is None:
+        from kiln.tokenizer.user_text import encode_user_text
+
+        assert tok is not None  # load_model refuses a missing tokenizer when one is needed
+        ids = encode_user_text(tok, args.prompt, args.allow_special, "--prompt",
+                               "pass --allow-special")  # fmt: skip
+        if not ids and loaded.eot_id is not None:
+            ids = [loaded.eot_id]  # an empty prompt starts a fresh document
+        shown = args.prompt
     else:
-        ids = _parse_ids(args.prompt_ids)
-    stop = args.stop_id if args.stop_id is not None else eos_ids(model_dir)
+        ids = prompt_ids
+    _check_fits(ids, args.max_tokens, loaded.model.cfg)
+    if prompt_ids is not None:
+        shown = _decode_known(tok, ids) if tok is not None else None
+    stop = args.stop_id if args.stop_id is not None else list(loaded.stop_ids)
     tokens = stream(
-        model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        loaded.model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop_tokens=stop,
     )  # fmt: skip
-    if codec is None:
-        for token in tokens:
+    # The first token is decoded before the prompt is printed, so whatever generation refuses
+    # fails before any output.
+    first = next(tokens, None)
+    rest: Iterator[int] = chain([first], tokens) if first is not None else iter(())
+    if tok is None or shown is None:
+        for token in rest:
             print(token, end=" ", flush=True)
         print()
     else:
-        _print_text(codec, ids, tokens)
+        _print_text(tok, shown, rest)
     return 0
 
 
-def _print_text(codec: TextCodec, prompt: list[int], tokens: Any) -> None:
+def _check_args(args: argparse.Namespace) -> None:
+    """One clear line for a bad sampling flag, before the model is loaded."""
+    if args.max_tokens < 1:
+        raise KilnError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise KilnError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise KilnError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise KilnError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def _check_fits(ids: list[int], max_tokens: int, cfg: Any) -> None:
+    """The prompt's ids exist in the model and leave room for --max-tokens new ones."""
+    if not ids:
+        raise KilnError("the prompt is empty (and the model has no end-of-text id to start from)")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise KilnError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if len(ids) + max_tokens > cfg.block_size:
+        raise KilnError(
+            f"the prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the model's "
+            f"block size {cfg.block_size}; lower --max-tokens or shorten the prompt"
+        )
+
+
+def _print_text(tok: Any, prompt: str, tokens: Iterator[int]) -> None:
     """Print the prompt then each new piece of text as soon as it decodes to whole characters."""
-    sys.stdout.write(codec.decode(prompt))
+    sys.stdout.write(prompt)
     new: list[int] = []
     shown = ""
     for token in tokens:
         new.append(token)
-        text = codec.decode(new)
+        text = _decode_known(tok, new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
-    sys.stdout.write(codec.decode(new)[len(shown) :] + "\n")
+    sys.stdout.write(_decode_known(tok, new)[len(shown) :] + "\n")
+
+
+def _decode_known(tok: Any, ids: list[int]) -> str:
+    """Text of ids, leaving out ids of a padded vocabulary that the tokenizer does not have."""
+    return str(tok.decode([i for i in ids if i < tok.n_vocab]))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -117,43 +178,3 @@ def _parse_ids(text: str) -> list[int]:
     if not ids:
         raise KilnError("--prompt-ids is empty")
     return ids
-
-
-def eos_ids(model_dir: Path) -> list[int]:
-    """The end-of-sequence id(s) named in the model's config.json, if any."""
-    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]
-
-
-def tokenizer_file_in(model_dir: Path) -> Path:
-    """The tokenizer file of a model directory: tokenizer.json, or GPT-2's vocab.json."""
-    for name in ("tokenizer.json", "vocab.json"):
-        if (model_dir / name).is_file():
-            return model_dir / name
-    raise KilnError(f"{model_dir}: no tokenizer.json or vocab.json; pass --tokenizer")
-
-
-def load_codec(path: Path) -> TextCodec:
-    """A tokenizer from a file (kiln, HF or GPT-2 format) or a directory holding one."""
-    if path.is_dir():
-        path = tokenizer_file_in(path)
-    from kiln.tokenizer.formats import read_any  # kiln, HF tokenizer.json, GPT-2 vocab.json
-
-    return _KilnCodec(read_any(path))
-
-
-class _KilnCodec:
-    """kiln's Tokenizer; special-token text in a prompt is allowed (e.g. <|endoftext|>)."""
-
-    def __init__(self, tok: Any) -> None:
-        self.tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text."""
-        return list(self.tok.encode(text, allowed_special="all"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
-        return str(self.tok.decode(list(ids)))

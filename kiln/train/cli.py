@@ -6,6 +6,7 @@ import argparse
 import shlex
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 EXAMPLES = """examples:
@@ -74,7 +75,11 @@ def _register_export(sub: Any) -> None:
         "(+ tokenizer_config.json, special_tokens_map.json) for AutoTokenizer. GPT-2 and\n"
         "Llama-style models only. DIR is written whole or not at all."
     )
-    p.add_argument("run", metavar="RUN", help="run directory (with checkpoints/)")
+    p.add_argument(
+        "run",
+        metavar="RUN",
+        help="run, kiln demo, train/, checkpoints/ or checkpoint (step_N) folder",
+    )
     p.add_argument("--hf", required=True, metavar="DIR", help="output directory")
     p.add_argument("--step", type=int, help="checkpoint step to export (default: latest)")
     p.add_argument(
@@ -104,10 +109,18 @@ def _register_plot(sub: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Export a checkpoint and say what was written."""
-    from kiln.train.export import describe, export_hf
+    from kiln.io import check_can_write
+    from kiln.loading import load_checkpoint
+    from kiln.train.export import ExportSource, describe, export_hf
 
-    result = export_hf(args.run, args.hf, args.step, args.tokenizer, args.force)
-    print(describe(result))
+    check_can_write(Path(args.hf), args.force)  # before loading, not after
+    loaded = load_checkpoint(args.run, args.step, args.tokenizer)
+    source = ExportSource(
+        model=loaded.model, tokenizer=loaded.tokenizer, tokenizer_path=loaded.tokenizer_path,
+        eos_token=loaded.eot_token, run=loaded.run, checkpoint=loaded.path,
+        step=loaded.state["step"], tokens=loaded.state["tokens"],
+    )  # fmt: skip
+    print(describe(export_hf(source, args.hf, args.force)))
     return 0
 
 

@@ -112,6 +112,7 @@ class EvalConfig:
     batches: int = 8
     sample_prompts: list[str] = field(default_factory=lambda: ["Once upon a time", "The"])
     sample_tokens: int = 48  # new tokens per prompt, into samples.jsonl; 0: no samples
+    allow_special: bool = False  # sample_prompts may spell special tokens (encoded as those)
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")

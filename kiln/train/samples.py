@@ -4,7 +4,9 @@ Sampling is seeded (temperature 0.8, top-k 50, the same seed at every eval step,
 different steps differ only by the weights) and draws from its own `torch.Generator`; the global
 torch RNG state is forked around it as well, so a run with samples takes exactly the training
 steps of a run without (and resumes exactly). The tokenizer is the one the dataset's manifest
-names; when it cannot be loaded, sampling is skipped with one warning.
+names, checked by sha256 (a different file is refused); when it is missing, sampling is skipped
+with one warning. The prompts are user text: special-token text in them is refused unless
+`eval.allow_special` is set, and they are encoded when the sampler is built, before training.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kiln.errors import KilnError
 from kiln.model import Transformer
 from kiln.model.generate import generate
 from kiln.tokenizer import Tokenizer
+from kiln.tokenizer.user_text import encode_user_text
 
 TEMPERATURE = 0.8
 TOP_K = 50
@@ -36,6 +39,7 @@ class ContinuationSampler:
         max_new_tokens: int,
         seed: int,
         eot_id: int | None = None,
+        allow_special: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.prompts = list(prompts)
@@ -43,18 +47,35 @@ class ContinuationSampler:
         self.seed = seed
         self.stop = [eot_id] if eot_id is not None else []
         start = self.stop or [0]  # an empty prompt starts after end-of-text (a fresh document)
-        self.encoded = [tokenizer.encode(p) or list(start) for p in self.prompts]
+        self.encoded = [
+            encode_user_text(tokenizer, p, allow_special, f"eval.sample_prompts[{i}] {p!r}",
+                             "set eval.allow_special = true")
+            or list(start)
+            for i, p in enumerate(self.prompts)
+        ]  # fmt: skip
 
     @classmethod
     def for_dataset(
-        cls, dataset: Dataset, prompts: Sequence[str], max_new_tokens: int, seed: int
+        cls,
+        dataset: Dataset,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        seed: int,
+        allow_special: bool = False,
     ) -> ContinuationSampler | None:
-        """A sampler with the dataset's tokenizer, or None (with one warning) when it is missing."""
+        """A sampler with the dataset's tokenizer, or None (with one warning) when it is missing.
+
+        A tokenizer file whose sha256 is not the manifest's is refused with one line: samples
+        decoded with another vocabulary would be silently wrong.
+        """
         if max_new_tokens <= 0 or not prompts:
             return None
         entry = dataset.manifest.tokenizer
-        candidates = [Path(entry.path), Path(dataset.root) / Path(entry.path).name]
-        path = next((p for p in candidates if p.is_file()), None)
+        path = entry.locate(
+            Path(dataset.root),
+            hint="; restore the original file, or set eval.sample_tokens = 0 to train without "
+            "samples",
+        )
         if path is None:
             warnings.warn(
                 f"eval samples skipped: the dataset's tokenizer {entry.path} was not found "
@@ -70,7 +91,7 @@ class ContinuationSampler:
         except (KilnError, OSError, ValueError) as exc:
             warnings.warn(f"eval samples skipped: cannot load {path}: {exc}", stacklevel=2)
             return None
-        return cls(tokenizer, prompts, max_new_tokens, seed, entry.eot_id)
+        return cls(tokenizer, prompts, max_new_tokens, seed, entry.eot_id, allow_special)
 
     def sample(self, model: Transformer, step: int) -> list[dict[str, Any]]:
         """One {"step", "prompt", "text"} per prompt (text: the continuation only)."""

@@ -126,6 +126,7 @@ class Trainer:
         )
         self.notes: list[str] = []  # what a resume changed, for the CLI to print
         check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
+        self.sampler = self._build_sampler()  # bad sample prompts fail before the run dir exists
         saved = self._find_resume_point(resume)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
@@ -163,7 +164,6 @@ class Trainer:
         self.val_batches = self._val_batches() if cfg.eval.batches > 0 else []
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.samples = MetricsLog(self.run_dir / "samples.jsonl")  # {"step", "prompt", "text"}
-        self.sampler = self._build_sampler()
         self.loggers = Loggers([])  # the TensorBoard / W&B backends, opened by run() on rank 0
         self.flops_per_token = self.model_cfg.flops_per_token(T)
         self.peak = device_peak_flops(self.device)
@@ -223,8 +223,9 @@ class Trainer:
             )
             return None
         return ContinuationSampler.for_dataset(
-            self.dataset, ev.sample_prompts, ev.sample_tokens, self.cfg.train.seed
-        )
+            self.dataset, ev.sample_prompts, ev.sample_tokens, self.cfg.train.seed,
+            ev.allow_special,
+        )  # fmt: skip
 
     def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """This rank's part of the fixed val set, as (inputs, targets, windows that count).

@@ -10,8 +10,8 @@ import pytest
 from kiln.cli import main
 from kiln.data.manifest import Manifest
 from kiln.eval.lm import bits_per_byte, val_loss
-from kiln.eval.loading import load_model
 from kiln.eval.scoring import Scorer
+from kiln.loading import load_model
 from kiln.model.hf import save_hf_dir
 from kiln.tokenizer import Tokenizer
 from kiln.train.checkpoint import TrainState, dataset_fingerprint, save_checkpoint
@@ -53,7 +53,7 @@ def test_checkpoint_run_and_hf_export_give_the_same_results(
     tok_path: Path, tmp_path: Path,
 ) -> None:  # fmt: skip
     common = ["--tasks", "copa,winogrande,lambada", "--limit", "6", "--no-progress"]
-    common += ["--data-dir", str(shared_data / "eval"), "--batch-size", "4"]
+    common += ["--data-dir", str(shared_data / "eval"), "--batch-size", "4", "--dtype", "fp32"]
     docs = {}
     for name, model_args in (
         ("ckpt", [str(run_dir / "checkpoints" / "step_7"), "--tokenizer", str(tok_path)]),
@@ -107,9 +107,10 @@ def test_bpb_and_val_from_the_command_line(
     text.write_text("Lily and Tom went to the park. They played on the swings all day.\n")
     out = tmp_path / "r.json"
     args = ["--bpb", str(text), "--val", str(dataset), "--stride", "64", "--no-progress"]
+    args += ["--dtype", "fp32"]
     code, stdout, err = run(capsys, "eval", str(hf_dir), *args, "--out", str(out))
     assert code == 0, err
-    scorer = Scorer(load_model(hf_dir).model, progress=False)
+    scorer = Scorer(load_model(hf_dir, dtype="fp32").model, progress=False)
     expected = bits_per_byte(scorer, tok, text, 399, stride=64)
     val = val_loss(scorer, dataset, stride=64)
     doc = json.loads(out.read_text())
@@ -145,7 +146,7 @@ def test_results_are_not_overwritten_without_force(
         ([], "nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks"),
         (["--tasks", "copa", "--limit", "0"], "--limit must be >= 1, got 0"),
         (["--tasks", "piqa", "--data-dir", "/nonexistent"], "/nonexistent/piqa.jsonl: task file"),
-        (["--tasks", "copa", "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
+        (["--tasks", "copa", "--device", "tpu"], "device must be cpu, cuda, cuda:N or auto"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(
@@ -158,7 +159,7 @@ def test_bad_arguments_are_one_line_errors(
 
 def test_a_directory_that_is_no_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "eval", str(tmp_path), "--tasks", "copa")
-    assert code == 2 and "not a model directory" in err
+    assert code == 2 and f"{tmp_path}: not a model folder; looked for config.json" in err
 
 
 def test_help_and_task_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,10 +13,10 @@ import pytest
 from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.eval.lm import bits_per_byte
-from kiln.eval.loading import LoadedModel, load_model
 from kiln.eval.multiple_choice import evaluate_task
 from kiln.eval.scoring import Scorer, encode_pair
 from kiln.eval.tasks import load_task
+from kiln.loading import LoadedModel, load_model
 from kiln.model.generate import generate
 from kiln.model.hf import save_hf_dir
 from kiln.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ def loaded(tmp_path: Path, tok: Tokenizer) -> LoadedModel:
     """A random tiny model loaded from an HF directory, as `kiln eval` loads one."""
     save_hf_dir(random_tiny(seed=3), tmp_path / "model", eos_token_id=tok.special_tokens[EOT])
     write_hf_tokenizer(tok, tmp_path / "model", EOT, 128)
-    return load_model(tmp_path / "model")
+    return load_model(tmp_path / "model", device="cpu", dtype="fp32")
 
 
 @pytest.fixture
@@ -104,6 +104,7 @@ def test_local_lm_eval_tasks_from_the_command_line_agree_with_kiln(
 ) -> None:  # fmt: skip
     out = tmp_path / "r.json"
     args = ["--lm-eval-tasks", "kiln_copa,kiln_bpb", "--lm-eval-include", str(local_tasks)]
+    args += ["--dtype", "fp32"]  # as the `loaded` fixture, whatever this CPU's auto choice
     code = main(["eval", str(tmp_path / "model"), *args, "--out", str(out), "--no-progress"])
     assert code == 0, capsys.readouterr().err
     assert "lm-eval kiln_copa: acc,none" in capsys.readouterr().out

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kiln.cli import main
+from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 from kiln.train.config import load_train_config
-from kiln.train.export import load_checkpoint_model
 from kiln.train.trainer import Trainer
 from tests.fixtures import EOT
 
@@ -125,7 +125,10 @@ def test_export_of_a_missing_step_names_the_saved_ones(
     assert main(["export", str(run), "--hf", str(tmp_path / "hf"), "--step", "3"]) == 2
     assert "no checkpoint of step 3 (steps saved: 2, 4)" in capsys.readouterr().err
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 2
-    assert "no checkpoints" in capsys.readouterr().err
+    assert "not a model folder" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()  # a run that has not saved one yet
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "hf")]) == 2
+    assert "no checkpoints yet" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
 
@@ -150,7 +153,7 @@ def test_export_without_the_dataset_needs_tokenizer(
     out = tmp_path / "hf"
     assert main(["export", str(moved), "--hf", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "no such dataset directory" in err and "pass --tokenizer PATH" in err
+    assert f"no manifest.json in {tmp_path / 'gone'}" in err and "pass --tokenizer PATH" in err
     tok = str(tiny_dataset.parent / "tok.json")
     assert main(["export", str(moved), "--hf", str(out), "--tokenizer", tok]) == 0
     assert (out / "tokenizer.json").is_file()
@@ -164,9 +167,8 @@ def test_export_refuses_a_tokenizer_the_run_was_not_trained_with(
 
     other = _copy_run(trained[0], tmp_path / "other", other_tokenizer)
     assert main(["export", str(other), "--hf", str(tmp_path / "hf")]) == 2
-    assert "is not the tokenizer the run was trained with (000000000000…)" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "differs from the tokenizer" in err and "was encoded with (000000000000…" in err
     assert not (tmp_path / "hf").exists()
 
 

@@ -77,6 +77,55 @@ def test_sampling_is_skipped_with_one_warning_without_the_tokenizer(
     assert not (Path(cfg.logging.run_dir) / "samples.jsonl").exists()
 
 
+def test_special_token_text_in_sample_prompts_fails_before_the_run_folder_exists(
+    tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kiln.cli import main
+
+    from .conftest import CONFIGS
+
+    run_dir = tmp_path / "run"
+    argv = ["train", str(CONFIGS / "tiny.toml"), "--no-progress",
+            "--set", f"data.dataset={tiny_dataset}", "--set", f"logging.run_dir={run_dir}",
+            "--set", 'eval.sample_prompts=["Once upon a time", "The end.<|endoftext|>One"]']  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kiln: error: eval.sample_prompts[1] 'The end.<|endoftext|>One' contains the special "
+        "token '<|endoftext|>' (at character 8); special-token text in user input is refused: "
+        "set eval.allow_special = true to encode it as that control token, or remove it\n"
+    )
+    assert not run_dir.exists()  # nothing was created, nothing to clean up
+
+
+def test_allow_special_encodes_sample_prompts_with_the_control_token(
+    make_config: MakeConfig, tiny_dataset: Path
+) -> None:
+    cfg = make_config('eval.sample_prompts=["The end.<|endoftext|>One"]', "eval.allow_special=true")
+    trainer = Trainer(cfg, cfg.logging.run_dir)
+    eot = trainer.dataset.manifest.tokenizer.eot_id
+    assert trainer.sampler is not None and eot in trainer.sampler.encoded[0]
+
+
+def test_samples_refuse_a_tokenizer_file_that_is_not_the_manifests(
+    make_config: MakeConfig, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    moved = tmp_path / "shards"
+    shutil.copytree(tiny_dataset, moved)
+    tok = tmp_path / "tok.json"
+    tok.write_text((tiny_dataset.parent / "tok.json").read_text() + "\n")  # same vocab, new bytes
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["tokenizer"]["path"] = str(tok)
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    cfg = make_config(f"data.dataset={moved}", run="changed")
+    with pytest.raises(KilnError, match=r"tok\.json: sha256 \w+… differs from the tokenizer"):
+        Trainer(cfg, cfg.logging.run_dir)
+    assert not Path(cfg.logging.run_dir).exists()
+    # With samples off the tokenizer is not needed, so the run trains.
+    cfg = make_config(f"data.dataset={moved}", "eval.sample_tokens=0", "train.max_steps=1")
+    assert Trainer(cfg, cfg.logging.run_dir).run().step == 1
+
+
 def test_tensorboard_gets_the_scalars(make_config: MakeConfig) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
