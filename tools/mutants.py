@@ -36,6 +36,7 @@ TRAIN_TESTS = [
     "tests/train/test_cli.py",
     "tests/train/test_samples_and_loggers.py",
 ]
+MIX_TESTS = ["tests/data/pipeline/test_mixture_shards.py", "tests/data/pipeline/test_runner.py"]
 
 # name: (target, kind, change, tests to run, extra pytest arguments)
 MUTANTS: dict[str, tuple[str, str, object, list[str], list[str]]] = {
@@ -68,7 +69,12 @@ MUTANTS: dict[str, tuple[str, str, object, list[str], list[str]]] = {
         "kiln.data.pipeline.runner:plan_mixture", "replace",
         "lambda sources: original([__import__('dataclasses').replace(s, share=None, rate=None)"
         " for s in sources])",
-        ["tests/data/pipeline/test_runner.py"], ["-k", "mixture"],
+        MIX_TESTS, ["-k", "mixture"],
+    ),
+    "mixture_plan_not_written": (
+        "kiln.data.pipeline.runner:_copies", "rewrite",
+        [("copies[np.array(indices, dtype=np.int64)] = repeats[name]", "pass")],
+        MIX_TESTS, ["-k", "mixture"],
     ),
     "gopher_stop_words_off": (
         GOPHER, "rewrite",
