@@ -65,6 +65,10 @@ MUTANTS: dict[str, tuple[str, str, object, list[str], list[str]]] = {
         [(".float() * weight", ".float()"), ("/ self.val_windows", "/ len(self.val_batches)")],
         TRAIN_TESTS, [],
     ),
+    "rng_not_restored_on_resume": (
+        "kiln.train.checkpoint:restore_rng", "replace", "lambda *args, **kwargs: None",
+        TRAIN_TESTS, [],
+    ),
     "tokenizer_resume_retrains": (
         "kiln.tokenizer.train:_State.exists", "replace", "lambda self: False",
         ["tests/tokenizer/test_train.py", "tests/tokenizer/test_streaming_and_bad_input.py"],
