@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,20 +36,16 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], nproc: int = 2) -> None:
     """Run `args` (a script or `-m module` and its arguments) in `nproc` local processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
+    # --standalone: torchrun's own rendezvous store binds port 0 and hands the port it got to
+    # the workers, so no other process can take a port between choosing and binding it.
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *args,
+        "--standalone", *args,
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     if done.returncode:
