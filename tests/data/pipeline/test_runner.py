@@ -65,13 +65,9 @@ def corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     lines = [json.dumps({"text": s}) for s in stories[30:40]]
     lines.insert(2, '{"text": "broken')
     lines.insert(5, json.dumps({"body": "no text field"}))
-    raw = (
-        "\n".join(lines).encode("utf-8")
-        + b"\n"
-        + b'{"text": "bad \xff byte '
-        + stories[40][:600].encode()
-        + b'"}\n'
-    )
+    # Line 13: one valid JSON record but for a stray \xff byte (read with a replacement char).
+    bad_byte = json.dumps({"text": "bad XFF byte " + stories[40][:600]}).encode()
+    raw = "\n".join(lines).encode("utf-8") + b"\n" + bad_byte.replace(b"XFF", b"\xff") + b"\n"
     (root / "b.jsonl").write_bytes(raw)
     (root / "empty.jsonl").write_bytes(b"")
     config = f"""
@@ -160,11 +156,17 @@ def test_planted_duplicates_and_contamination_are_removed_and_audited(baseline: 
 
 def test_malformed_inputs_are_counted_with_file_and_line(baseline: Path) -> None:
     issues = json.loads((baseline / "pipeline" / "stats.json").read_text())["read_issues"]
-    assert issues["total"] >= 4  # broken JSON, missing field, invalid UTF-8, empty file
-    where = {(Path(e["file"]).name, e.get("line")) for e in issues["examples"]}
-    assert ("b.jsonl", 3) in where  # the broken line
-    assert ("b.jsonl", 6) in where  # the record without a text field
-    assert any(name == "empty.jsonl" for name, _ in where)
+    assert issues["counts"] == {
+        "invalid JSON": 1, "missing text field": 1, "invalid UTF-8": 1, "empty file": 1
+    }  # fmt: skip
+    assert issues["total"] == 4
+    where = {(Path(e["file"]).name, e.get("line"), e["kind"]) for e in issues["examples"]}
+    assert where == {
+        ("b.jsonl", 3, "invalid JSON"),  # the broken line
+        ("b.jsonl", 6, "missing text field"),  # the record without a text field
+        ("b.jsonl", 13, "invalid UTF-8"),  # the stray byte (the record itself is kept)
+        ("empty.jsonl", None, "empty file"),
+    }
 
 
 def test_manifest_counts_equal_shard_contents(
