@@ -6,12 +6,10 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -458,19 +456,30 @@ tokenizer = "{shared_data}/gpt2/vocab.json"
     run_pipeline(cfg, RunOptions(out=str(tmp_path / "straight"), progress=False))
 
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "kiln.cli", "data", "run", str(tmp_path / "p.toml")]
-    command += ["--out", str(out), "--workers", "1", "--quiet"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["data", "run", str(tmp_path / "p.toml"), "--out", str(out), "--workers", "1", "--quiet"]
+    # The run SIGKILLs itself as its 6th filter task starts: a real kill at a known point, not
+    # a poll racing the run (which could finish, or be killed mid-write, on a busy machine).
+    killer = (
+        "import os, signal, sys\n"
+        "from kiln.data.pipeline import runner\n"
+        "real, done = runner.run_filter_task, []\n"
+        "def then_die(task):\n"
+        "    if len(done) == 5:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    done.append(task.index)\n"
+        "    return real(task)\n"
+        "runner.run_filter_task = then_die\n"
+        "from kiln.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", killer, *args], capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     markers = out.with_name("killed.partial") / "work" / "filter"
-    deadline = time.monotonic() + 120
-    while len(list(markers.glob("*/stats.json"))) < 5 and proc.poll() is None:
-        assert time.monotonic() < deadline, "the run never got going"
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     done_before = len(list(markers.glob("*/stats.json")))
+    assert done_before == 5
     assert not out.exists()
 
+    command = [sys.executable, "-m", "kiln.cli", *args]
     restarted = subprocess.run(command, capture_output=True, text=True, check=True)
     assert f"filter: {done_before} of " in restarted.stderr  # only the rest was redone
     assert _fingerprint(out) == _fingerprint(tmp_path / "straight")
