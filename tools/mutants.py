@@ -14,6 +14,7 @@ Two kinds of mutation, both named by "module:Qualified.name":
 
     python tools/mutants.py            # every mutant
     python tools/mutants.py lr clip    # the mutants whose names start with these
+    python tools/mutants.py grad -- tests/train/test_reference_loop.py  # other tests instead
 """
 
 from __future__ import annotations
@@ -152,9 +153,13 @@ def pytest_runtest_logreport(report):
 '''
 
 
-def run_mutant(name: str, plugin_dir: Path) -> tuple[str, str, float]:
-    """Run one mutant's tests under the plugin: (status, detail, seconds)."""
+def run_mutant(
+    name: str, plugin_dir: Path, override: list[str] | None = None
+) -> tuple[str, str, float]:
+    """Run one mutant's tests (or the pytest arguments `override`): (status, detail, seconds)."""
     target, kind, change, tests, extra = MUTANTS[name]
+    if override:
+        tests, extra = override, []
     report = plugin_dir / f"{name}.report"
     report.unlink(missing_ok=True)
     env = {
@@ -192,6 +197,8 @@ def run_mutant(name: str, plugin_dir: Path) -> tuple[str, str, float]:
 
 def main(argv: list[str]) -> int:
     """Run the chosen mutants (all by default); exit 1 if any survived or could not be applied."""
+    override = argv[argv.index("--") + 1 :] if "--" in argv else None
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     names = [n for n in MUTANTS if not argv or any(n.startswith(a) for a in argv)]
     if not names:
         print(f"no mutant matches {argv}; known: {', '.join(MUTANTS)}", file=sys.stderr)
@@ -202,7 +209,7 @@ def main(argv: list[str]) -> int:
         (plugin_dir / "kiln_mutant_plugin.py").write_text(PLUGIN)
         width = max(map(len, names))
         for name in names:
-            status, detail, seconds = run_mutant(name, plugin_dir)
+            status, detail, seconds = run_mutant(name, plugin_dir, override)
             bad += status != "caught"
             shown = f"caught by {detail}" if status == "caught" else f"{status}: {detail}"
             print(f"{name:<{width}}  {seconds:6.1f}s  {shown}", flush=True)
