@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -165,7 +163,7 @@ def test_graph_captured_decode_step_gives_the_same_tokens(monkeypatch: pytest.Mo
     real = torch.compile
     backends: list[str] = []
 
-    def aot_eager(fn: Any, **kwargs: Any) -> Any:
+    def aot_eager(fn: object, **kwargs: object) -> object:
         backends.append("aot_eager")
         return real(fn, backend="aot_eager", **kwargs)
 
