@@ -139,12 +139,18 @@ def test_fsdp_two_processes_match_one_process(fsdp_run: Path, make_config: MakeC
 
 
 @needs_gloo
-def test_two_process_resume_equals_an_uninterrupted_run(
-    ddp_run: Path, tiny_dataset: Path, tmp_path: Path
-) -> None:
-    """DDP: 3 steps, stop (checkpoint), resume for 5 more == the 8-step run, exactly."""
+def test_two_process_resume_equals_an_uninterrupted_run(tiny_dataset: Path, tmp_path: Path) -> None:
+    """DDP: 3 steps, stop (checkpoint), resume for 5 more == the 8-step run, exactly.
+
+    With dropout, so each rank's own RNG state must come back for the masks to repeat.
+    """
+    ddp_run = tmp_path / "straight"
+    _worker(
+        tmp_path / "straight.json",
+        _sets(tiny_dataset, ddp_run, "train.parallel=ddp", "model.dropout=0.1"),
+    )
     run = tmp_path / "cut"
-    sets = _sets(tiny_dataset, run, "train.parallel=ddp")
+    sets = _sets(tiny_dataset, run, "train.parallel=ddp", "model.dropout=0.1")
     first = _worker(tmp_path / "first.json", sets, stop_at=3)
     assert first["step"] == 3 and (run / "checkpoints" / "step_3").is_dir()
     second = _worker(tmp_path / "second.json", sets, resume=True)
