@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-all lint bench-tokenizer bench-model bench-attention bench-data clean
+.PHONY: demo test test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,10 +19,15 @@ demo: $(STAMP)
 	$(VENV)/bin/kiln demo
 
 test: $(STAMP)
-	KILN_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m "not slow"
+	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
-	KILN_REQUIRE_NATIVE=1 $(PY) -m pytest -q
+	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q
+
+# Break one behaviour at a time (LR schedule, clipping, val loss, resume, mixing, filters) and
+# check that a default test fails for each; see tools/mutants.py.
+mutants: $(STAMP)
+	$(PY) tools/mutants.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

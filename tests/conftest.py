@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import require_shared
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The read-only shared data directory (../shared/data from the repository root)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
-    return SHARED_DATA
+    return require_shared(SHARED_DATA)

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import gzip
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 EOT = "<|endoftext|>"
+
+
+def require_shared(path: Path) -> Path:
+    """`path` under the shared data folder; skip when it is missing, or fail under
+    KILN_REQUIRE_SHARED=1 (`make test`), so a green run cannot hide the tests that need it."""
+    import pytest
+
+    if path.exists():
+        return path
+    if os.environ.get("KILN_REQUIRE_SHARED") == "1":
+        pytest.fail(f"shared data not found at {path} (KILN_REQUIRE_SHARED=1: it is required)")
+    pytest.skip(f"shared data not found at {path}")
 
 
 def single_torch_thread() -> Iterator[None]:

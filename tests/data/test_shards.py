@@ -18,6 +18,7 @@ from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
 from kiln.errors import KilnError
 from kiln.tokenizer import Tokenizer
 from tests.data.conftest import DOCS_A, DOCS_B, EOT, SHARED_DATA, write_inputs
+from tests.fixtures import require_shared
 
 
 def _decoded(ds: Dataset, tok: Tokenizer, split: str) -> list[tuple[str, str]]:
@@ -133,9 +134,7 @@ def test_parallel_workers_write_the_same_bytes_as_one_process(build_dataset) -> 
 
 
 def test_tinystories_valid_round_trips(tmp_path) -> None:
-    source = SHARED_DATA / "tinystories" / "valid.txt.gz"
-    if not source.is_file():
-        pytest.skip(f"{source} not found")
+    source = require_shared(SHARED_DATA / "tinystories" / "valid.txt.gz")
     from kiln.tokenizer import train_bpe
 
     tok = train_bpe(source, 1024, special_tokens=[EOT])

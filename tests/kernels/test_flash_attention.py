@@ -160,6 +160,22 @@ def test_missing_triton_is_an_import_error(monkeypatch):
         kiln.kernels.flash_attention(*_qkv())
 
 
+# One case of each edge of the slow sweep below, small enough for the default run.
+@pytest.mark.parametrize(
+    ("T", "D", "causal", "dtype"),
+    [
+        pytest.param(1, 64, True, torch.float32, id="one-token-causal"),
+        pytest.param(128, 64, True, torch.bfloat16, id="exact-blocks-bf16-causal"),
+        pytest.param(31, 16, False, torch.float32, id="d16-ragged"),
+    ],
+)
+def test_sweep_edges_match_sdpa(T, D, causal, dtype, device):
+    q, k, v, do = _inputs(1, 4, 2, T, D, dtype, device, seed=T * D)
+    got = _run(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v, do)
+    tol = 2e-5 if dtype == torch.float32 else 5e-2
+    _assert_matches(got, _sdpa_fp32(q, k, v, do, causal), atol=tol, rtol=max(tol, 1e-4))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -201,3 +201,38 @@ def test_compiled_training_step_matches_eager() -> None:
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for gc, p in zip(grads_c, model.parameters(), strict=True):
         torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-5)
+
+
+# The two compile tests above need Inductor's C++ builds (minutes on a CPU): slow only. The
+# default run keeps their behaviour with the "aot_eager" backend, the same Dynamo graph capture
+# and AOT autograd without code generation (seconds), so a graph break, a mutated cache the
+# trace misses or a wrong backward still fails by default.
+def test_graph_captured_decode_step_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.compile
+    backends: list[str] = []
+
+    def aot_eager(fn: object, **kwargs: object) -> object:
+        backends.append("aot_eager")
+        return real(fn, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    model = build(llama_small())
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eager = generate(model, prompts, 4, temperature=0)
+    assert generate(model, prompts, 4, temperature=0, compile=True) == eager
+    assert backends  # generate(compile=True) did compile its decode step
+
+
+def test_graph_captured_training_step_matches_eager() -> None:
+    model = build(gpt2_small(), seed=3).train()
+    compiled = torch.compile(model, backend="aot_eager")
+    idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    loss_c = compiled(idx, targets)
+    loss_c.backward()
+    grads_c = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss_e = model(idx, targets)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for gc, p in zip(grads_c, model.parameters(), strict=True):
+        torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-5)

@@ -77,7 +77,9 @@ def test_native_and_reference_agree_on_multilingual_text(shared_data, tmp_path) 
         assert a.merges == b.merges, pattern
 
 
-def test_resume_equals_uninterrupted(small_corpus, tmp_path) -> None:
+def test_resume_equals_uninterrupted(small_corpus, tmp_path, monkeypatch) -> None:
+    import kiln.tokenizer.train as train_mod
+
     state = tmp_path / "state"
     full = train_bpe([small_corpus], 900, [EOT])
 
@@ -89,8 +91,22 @@ def test_resume_equals_uninterrupted(small_corpus, tmp_path) -> None:
         train_bpe([small_corpus], 900, [EOT], checkpoint_dir=state, callback=interrupt)
     saved = json.loads((state / "merges.json").read_text())
     assert 500 - 256 <= len(saved) < 900 - 257  # the interrupt saved what was learned
+
+    def no_recount(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the resumed run counted the corpus again")
+
+    # A resume that silently retrained would give the same merges: prove it started from the
+    # saved state (no counting phase, neither run nor timed) and went on from the saved merges.
+    monkeypatch.setattr(train_mod, "_count_phase", no_recount)
     resumed = train_bpe([small_corpus], 900, [EOT], checkpoint_dir=state, resume=True)
     assert resumed.merges == full.merges
+    timings = resumed.metadata["training"]["timings"]
+    assert "load_state_s" in timings and "count_s" not in timings
+    # The saved merges (engine ids: bytes 0-255, then one id per merge) lead the final list.
+    pieces = {i: bytes([i]) for i in range(256)}
+    for k, (a, b) in enumerate(saved):
+        pieces[256 + k] = pieces[a] + pieces[b]
+    assert resumed.merges[: len(saved)] == [(pieces[a], pieces[b]) for a, b in saved]
     assert not state.exists()  # cleaned up after success
 
 

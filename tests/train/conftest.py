@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.train.config import TrainConfig, load_train_config
-from tests.fixtures import single_torch_thread, tiny_story_dataset
+from tests.fixtures import require_shared, single_torch_thread, tiny_story_dataset
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -20,9 +20,7 @@ _one_thread = pytest.fixture(autouse=True)(single_torch_thread)
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 40 KB of TinyStories (valid split) as a 300-token BPE and a token-shard dataset."""
-    source = SHARED_DATA / "tinystories" / "valid.txt.gz"
-    if not source.is_file():
-        pytest.skip(f"shared data not found at {source}")
+    source = require_shared(SHARED_DATA / "tinystories" / "valid.txt.gz")
     return tiny_story_dataset(source, tmp_path_factory.mktemp("tinystories"), 40_000)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,20 +36,16 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], nproc: int = 2) -> None:
     """Run `args` (a script or `-m module` and its arguments) in `nproc` local processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
+    # --standalone: torchrun's own rendezvous store binds port 0 and hands the port it got to
+    # the workers, so no other process can take a port between choosing and binding it.
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *args,
+        "--standalone", *args,
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     if done.returncode:
@@ -144,12 +139,18 @@ def test_fsdp_two_processes_match_one_process(fsdp_run: Path, make_config: MakeC
 
 
 @needs_gloo
-def test_two_process_resume_equals_an_uninterrupted_run(
-    ddp_run: Path, tiny_dataset: Path, tmp_path: Path
-) -> None:
-    """DDP: 3 steps, stop (checkpoint), resume for 5 more == the 8-step run, exactly."""
+def test_two_process_resume_equals_an_uninterrupted_run(tiny_dataset: Path, tmp_path: Path) -> None:
+    """DDP: 3 steps, stop (checkpoint), resume for 5 more == the 8-step run, exactly.
+
+    With dropout, so each rank's own RNG state must come back for the masks to repeat.
+    """
+    ddp_run = tmp_path / "straight"
+    _worker(
+        tmp_path / "straight.json",
+        _sets(tiny_dataset, ddp_run, "train.parallel=ddp", "model.dropout=0.1"),
+    )
     run = tmp_path / "cut"
-    sets = _sets(tiny_dataset, run, "train.parallel=ddp")
+    sets = _sets(tiny_dataset, run, "train.parallel=ddp", "model.dropout=0.1")
     first = _worker(tmp_path / "first.json", sets, stop_at=3)
     assert first["step"] == 3 and (run / "checkpoints" / "step_3").is_dir()
     second = _worker(tmp_path / "second.json", sets, resume=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kiln.model import ModelConfig, Transformer
@@ -61,10 +63,25 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
     x = torch.randint(0, 512, (2, 8))
     model(x, x).backward()
     opt.step()  # both optimizers update
-    state = opt.state_dict()
+    state = copy.deepcopy(opt.state_dict())  # a snapshot: state_dict() returns live tensors
     again = build_optimizer(model, OptimConfig(name="muon", lr=1e-3), CPU)
-    again.load_state_dict(state)
-    assert (
-        again.state_dict()["optimizers"][0]["state"].keys()
-        == state["optimizers"][0]["state"].keys()
-    )
+    again.load_state_dict(copy.deepcopy(state))
+    restored = again.state_dict()
+    for saved, loaded in zip(state["optimizers"], restored["optimizers"], strict=True):
+        assert saved["state"].keys() == loaded["state"].keys() and saved["state"]
+        for key, values in saved["state"].items():  # every buffer's values, not just its name
+            assert values.keys() == loaded["state"][key].keys()
+            for name, value in values.items():
+                assert torch.equal(
+                    torch.as_tensor(value), torch.as_tensor(loaded["state"][key][name])
+                )
+    # Restored state steps alike: the next update equals that of the optimizer it came from.
+    opt.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(model)
+    again_twin = build_optimizer(twin, OptimConfig(name="muon", lr=1e-3), CPU)
+    again_twin.load_state_dict(copy.deepcopy(state))
+    for m, o in ((model, opt), (twin, again_twin)):
+        m(x, x).backward()
+        o.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), name

@@ -49,7 +49,7 @@ def test_trainer_refuses_a_global_batch_that_does_not_split(make_config: MakeCon
 @pytest.mark.parametrize(
     ("options", "signum"),
     [
-        (["train.dtype=fp32", "optim.name=adamw"], signal.SIGINT),
+        (["train.dtype=fp32", "optim.name=adamw", "model.dropout=0.1"], signal.SIGINT),
         (
             ["train.dtype=bf16", "optim.name=muon", "schedule.name=wsd", "model.dropout=0.1"],
             signal.SIGTERM,
@@ -59,7 +59,11 @@ def test_trainer_refuses_a_global_batch_that_does_not_split(make_config: MakeCon
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(
     make_config: MakeConfig, options: list[str], signum: int
 ) -> None:
-    """3 steps, a signal (checkpoint, exit), resume for 5 more == one 8-step run, exactly."""
+    """3 steps, a signal (checkpoint, exit), resume for 5 more == one 8-step run, exactly.
+
+    Every variant trains with dropout and samples at its eval steps, so the RNG states must be
+    restored (and the sampler must leave them alone) for the runs to match.
+    """
     straight = make_config(*options, run="straight")
     Trainer(straight, straight.logging.run_dir).run()
 
@@ -87,6 +91,8 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(
     sa = json.loads((Path(straight.logging.run_dir) / "checkpoints/step_8/state.json").read_text())
     sb = json.loads((Path(cut.logging.run_dir) / "checkpoints/step_8/state.json").read_text())
     assert sa["cursor"] == sb["cursor"] and sa["rng"] == sb["rng"]
+    samples = [(Path(run.logging.run_dir) / "samples.jsonl").read_text() for run in (straight, cut)]
+    assert samples[0] and samples[0] == samples[1]  # sampled at steps 4 and 8, alike
 
 
 def _losses(run_dir: str) -> list[float]:

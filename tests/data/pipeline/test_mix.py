@@ -50,3 +50,7 @@ def test_rates_scale_each_source_on_its_own() -> None:
 def test_an_empty_source_contributes_nothing() -> None:
     repeats, summary = plan_mixture([_source("a", [], share=0.5), _source("b", [5], share=0.5)])
     assert repeats["a"].shape == (0,) and summary["a"]["tokens_after"] == 0
+    # The other source takes all the tokens there are (its share of the total: half of 5 is
+    # reached within one document), and the shares after count only what exists.
+    assert repeats["b"].tolist() == [1] and summary["b"]["tokens_after"] == 5
+    assert summary["b"]["share_after"] == 1.0 and summary["a"]["share_after"] == 0.0

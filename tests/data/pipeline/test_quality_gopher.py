@@ -348,10 +348,14 @@ def test_top_ngram_matches_its_definition(tokens, n):
 
 
 # ------------------------------------------------------------------ agreement with datatrove
-@pytest.mark.parametrize(
-    ("name", "minimum"), [("gopher_quality", 0.97), ("gopher_repetition", 0.95)]
-)
-def test_agrees_with_datatrove_on_real_documents(shared_data, name, minimum, filter_bench):
+# Pinned at the measured agreement: the documents on which the verdicts differ, by index in the
+# 200-document sample (repetition: 16 and 175 sit at a top-n-gram threshold, where nltk's and
+# kiln's word splits differ by a token). A new disagreement fails; a fixed one only shrinks this.
+KNOWN_DISAGREEMENTS = {"gopher_quality": set(), "gopher_repetition": {16, 175}}
+
+
+@pytest.mark.parametrize("name", ["gopher_quality", "gopher_repetition"])
+def test_agrees_with_datatrove_on_real_documents(shared_data, name, filter_bench):
     bench = filter_bench
     texts = bench.load_docs(200, shared_data / "bench" / "en_10m.txt.gz")
     assert len(texts) == 200
@@ -364,8 +368,8 @@ def test_agrees_with_datatrove_on_real_documents(shared_data, name, minimum, fil
         peer.max_non_alpha_words_ratio = None  # datatrove's name for the same threshold
     ours = [kiln.apply(d) is None for d in bench.kiln_docs(texts)]
     theirs = [bench.datatrove_keep(peer.filter(d)) for d in bench.datatrove_docs(texts)]
-    agreement = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(texts)
-    assert agreement >= minimum
+    disagree = {i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b}
+    assert disagree <= KNOWN_DISAGREEMENTS[name], sorted(disagree)
     assert 0 < sum(ours) < len(texts)  # the sample exercises both outcomes
 
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -65,13 +63,9 @@ def corpus(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     lines = [json.dumps({"text": s}) for s in stories[30:40]]
     lines.insert(2, '{"text": "broken')
     lines.insert(5, json.dumps({"body": "no text field"}))
-    raw = (
-        "\n".join(lines).encode("utf-8")
-        + b"\n"
-        + b'{"text": "bad \xff byte '
-        + stories[40][:600].encode()
-        + b'"}\n'
-    )
+    # Line 13: one valid JSON record but for a stray \xff byte (read with a replacement char).
+    bad_byte = json.dumps({"text": "bad XFF byte " + stories[40][:600]}).encode()
+    raw = "\n".join(lines).encode("utf-8") + b"\n" + bad_byte.replace(b"XFF", b"\xff") + b"\n"
     (root / "b.jsonl").write_bytes(raw)
     (root / "empty.jsonl").write_bytes(b"")
     config = f"""
@@ -160,11 +154,17 @@ def test_planted_duplicates_and_contamination_are_removed_and_audited(baseline: 
 
 def test_malformed_inputs_are_counted_with_file_and_line(baseline: Path) -> None:
     issues = json.loads((baseline / "pipeline" / "stats.json").read_text())["read_issues"]
-    assert issues["total"] >= 4  # broken JSON, missing field, invalid UTF-8, empty file
-    where = {(Path(e["file"]).name, e.get("line")) for e in issues["examples"]}
-    assert ("b.jsonl", 3) in where  # the broken line
-    assert ("b.jsonl", 6) in where  # the record without a text field
-    assert any(name == "empty.jsonl" for name, _ in where)
+    assert issues["counts"] == {
+        "invalid JSON": 1, "missing text field": 1, "invalid UTF-8": 1, "empty file": 1
+    }  # fmt: skip
+    assert issues["total"] == 4
+    where = {(Path(e["file"]).name, e.get("line"), e["kind"]) for e in issues["examples"]}
+    assert where == {
+        ("b.jsonl", 3, "invalid JSON"),  # the broken line
+        ("b.jsonl", 6, "missing text field"),  # the record without a text field
+        ("b.jsonl", 13, "invalid UTF-8"),  # the stray byte (the record itself is kept)
+        ("empty.jsonl", None, "empty file"),
+    }
 
 
 def test_manifest_counts_equal_shard_contents(
@@ -456,19 +456,30 @@ tokenizer = "{shared_data}/gpt2/vocab.json"
     run_pipeline(cfg, RunOptions(out=str(tmp_path / "straight"), progress=False))
 
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "kiln.cli", "data", "run", str(tmp_path / "p.toml")]
-    command += ["--out", str(out), "--workers", "1", "--quiet"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["data", "run", str(tmp_path / "p.toml"), "--out", str(out), "--workers", "1", "--quiet"]
+    # The run SIGKILLs itself as its 6th filter task starts: a real kill at a known point, not
+    # a poll racing the run (which could finish, or be killed mid-write, on a busy machine).
+    killer = (
+        "import os, signal, sys\n"
+        "from kiln.data.pipeline import runner\n"
+        "real, done = runner.run_filter_task, []\n"
+        "def then_die(task):\n"
+        "    if len(done) == 5:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    done.append(task.index)\n"
+        "    return real(task)\n"
+        "runner.run_filter_task = then_die\n"
+        "from kiln.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", killer, *args], capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     markers = out.with_name("killed.partial") / "work" / "filter"
-    deadline = time.monotonic() + 120
-    while len(list(markers.glob("*/stats.json"))) < 5 and proc.poll() is None:
-        assert time.monotonic() < deadline, "the run never got going"
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     done_before = len(list(markers.glob("*/stats.json")))
+    assert done_before == 5
     assert not out.exists()
 
+    command = [sys.executable, "-m", "kiln.cli", *args]
     restarted = subprocess.run(command, capture_output=True, text=True, check=True)
     assert f"filter: {done_before} of " in restarted.stderr  # only the rest was redone
     assert _fingerprint(out) == _fingerprint(tmp_path / "straight")
