@@ -54,8 +54,8 @@ class Precision:
 
     @property
     def warning(self) -> str | None:
-        """A line to print once when an explicit bf16 runs emulated on this CPU, else None."""
-        slowdown = self.bf16_slowdown if self.requested == "bf16" else None
+        """A line to print once when bf16 runs emulated on this CPU (asked for, or kept), else None."""
+        slowdown = self.bf16_slowdown if self.name == "bf16" else None
         if slowdown is None or slowdown <= PROBE_MAX_RATIO:
             return None
         return (
@@ -65,6 +65,8 @@ class Precision:
 
     def describe(self) -> str:
         """The line printed once at start-up, e.g. "dtype auto → fp32: this CPU has no ..."."""
+        if self.requested == self.name:
+            return f"dtype {self.name}: {self.reason}"
         return f"dtype {self.requested} → {self.name}: {self.reason}"
 
     def to_dict(self) -> dict[str, object]:
