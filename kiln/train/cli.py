@@ -13,7 +13,8 @@ EXAMPLES = """examples:
   kiln train kiln/assets/demo.toml --set optim.lr=1e-3 --set train.time_budget=30m
   kiln train configs/tiny.toml --set train.max_steps=2000 --set train.dtype=auto
   kiln train kiln/assets/demo.toml --resume            # continue from runs/demo/checkpoints/latest
-  kiln train kiln/assets/demo.toml --plot-schedule     # write runs/demo/report/lr_schedule.png"""
+  kiln train kiln/assets/demo.toml --plot-schedule --set train.max_steps=250
+                                                   # write runs/demo/report/lr_schedule.png"""
 
 EXPORT_EXAMPLES = """examples:
   kiln export runs/demo --hf exports/demo           # the latest checkpoint
@@ -139,7 +140,7 @@ def run_train(args: argparse.Namespace) -> int:
         if cfg.train.max_steps is None:
             raise KilnError(
                 "--plot-schedule needs train.max_steps: a train.time_budget run plans its steps "
-                "from the step time it measures while training"
+                "from the step time it measures while training (add --set train.max_steps=N)"
             )
 
         out = plot_schedule(
