@@ -8,6 +8,7 @@ native *and* a tiny timed probe confirms that a bf16 matmul is not slower than a
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,21 +94,31 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def bf16_probe_ratio(size: int = 256, repeats: int = 5) -> float:
-    """Best-of-`repeats` time of a (size x size) bf16 matmul over an fp32 one, on this CPU."""
+def bf16_probe_ratio(size: int = 256, repeats: int = 7) -> float:
+    """Best-of-`repeats` time of a (size x size) bf16 matmul over an fp32 one, on this CPU.
 
-    def best(dtype: torch.dtype) -> float:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not the matmul
-        times = []
+    One thread, and the two dtypes interleaved: on a shared machine a multi-threaded matmul this
+    small waits on the scheduler (ratios of 0.3 and 50 in turn were seen), and interleaving puts
+    both dtypes under the same load. The ratio of the kernels is what the rule needs.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pairs = {
+            dtype: (torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype))
+            for dtype in (torch.float32, torch.bfloat16)
+        }
+        for a, b in pairs.values():
+            torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not the matmul
+        best = dict.fromkeys(pairs, math.inf)
         for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+            for dtype, (a, b) in pairs.items():
+                start = time.perf_counter()
+                torch.mm(a, b)
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
 
 
 def choose_precision(
