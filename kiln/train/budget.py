@@ -6,16 +6,19 @@ whatever eval.every is.
 
 Before each step the plan is the steps done plus the whole steps that fit into what is left of
 the budget at the recent step time (the median of the last `RECENT` steps; a process's first step
-is left out once there are others, since it pays for allocation and warm-up). The lr schedule
-reads the plan afresh at every step, so warmup + cosine (or WSD's decay) ends at the budget even
-when a shared machine's speed drifts. Two rules bound the end:
+is left out once there are others, since it pays for allocation and warm-up), less a reserve of
+the recent spread (slowest recent step minus the median), so that on a noisy machine the step
+named last still fits. The lr schedule reads the plan afresh at every step, so warmup + cosine
+(or WSD's decay) ends at the budget even when a shared machine's speed drifts. Two rules bound
+the end:
 
 - a step starts only while budget is left, so a run overruns by at most the step that crossed it;
 - a step the plan named as the last one (it ran at the schedule's final lr) is the last: the plan
   never reopens a finished schedule.
 
-So the final lr is reached at the last step unless one step takes more than twice the recent
-step time right at the end (the run then stops when the budget is spent, one step short).
+So the final lr is reached at the last step unless, right at the end, one step takes longer
+than the slowest recent step plus the median (the run then stops when the budget is spent, one
+step short of its plan).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import statistics
 from kiln.config import ConfigError
 
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
-RECENT = 10  # step times the rate is the median of: a drift shows within a few steps
+RECENT = 8  # step times the rate is the median of: a drift shows within a few steps
 CALIBRATION = 2  # measured steps (after a process's first) before the plan may name a last step
 DRIFT = 0.2  # a step-time change (relative) that the log reports as a re-plan
 
@@ -82,10 +85,15 @@ class TimeBudget:
         self.durations.append(seconds)
         self.elapsed += seconds
 
+    def _recent(self) -> list[float]:
+        """This process's last step times, its first step left out once there are others."""
+        times = self.durations[1:] if len(self.durations) > 1 else self.durations
+        return times[-RECENT:]
+
     def step_time(self) -> float | None:
         """The recent seconds per step (None before any step of this process)."""
-        times = self.durations[1:] if len(self.durations) > 1 else self.durations
-        return statistics.median(times[-RECENT:]) if times else None
+        recent = self._recent()
+        return statistics.median(recent) if recent else None
 
     def plan(self, steps_done: int) -> int:
         """max_steps for the schedule after `steps_done` steps; equal to `steps_done`: stop."""
@@ -98,7 +106,8 @@ class TimeBudget:
         elif rate is None:  # nothing measured yet: keep the saved plan, or look two steps ahead
             planned = self.planned if self.planned is not None else steps_done + 2
         else:
-            planned = steps_done + max(1, int(left // rate))
+            reserve = max(self._recent()) - rate  # the spread of recent steps, kept in hand
+            planned = steps_done + max(1, int(max(0.0, left - reserve) // rate))
             if len(self.durations) <= CALIBRATION:  # too few times to call a step the last
                 planned = max(planned, steps_done + 2)
         if self.cap is not None:
