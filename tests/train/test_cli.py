@@ -43,6 +43,22 @@ def test_train_then_resume_from_the_command_line(
     assert "step 3 (768 tokens)" in out
 
 
+def test_train_for_a_time_budget_from_the_command_line(
+    tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        str(CONFIGS / "tiny.toml"), "--no-progress",
+        "--set", f"data.dataset={tiny_dataset}", "--set", f"logging.run_dir={tmp_path / 'run'}",
+        "--set", "train.time_budget=0.5s", "--set", "train.max_steps=none",
+        "--set", "eval.every=0", "--set", "checkpoint.every=0",
+    ]  # fmt: skip
+    assert _run(*argv) == 0
+    out = capsys.readouterr().out
+    assert "a time budget of 0.5 s of training; run in" in out
+    assert "(evaluation, sampling and checkpoints are not counted)" in out
+    assert "kiln train: dtype fp32: asked for" in out
+
+
 def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "r"
