@@ -98,11 +98,13 @@ def test_the_plan_ends_the_schedule_at_the_budget_whatever_eval_costs(
     assert "-> 18 steps" in out and "20.0 s of 20.0 s trained, 18 steps" in out
 
 
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "wsd"])
 def test_a_slower_machine_is_re_planned_and_the_lr_still_reaches_its_floor(
-    make_config: MakeConfig, capsys: pytest.CaptureFixture[str]
+    make_config: MakeConfig, capsys: pytest.CaptureFixture[str], schedule: str
 ) -> None:
     # 1 s steps, then from step 11 the machine halves its speed.
-    cfg = make_config(*_budget("40", "checkpoint.every=0", "eval.every=0"), run="b")
+    sets = _budget("40", "checkpoint.every=0", "eval.every=0", f"schedule.name={schedule}")
+    cfg = make_config(*sets, run="b")
     result = _budgeted(cfg, lambda n: 1.0 if n <= 10 else 2.0).run()
     records = _records(cfg)
     plans = [r["max_steps"] for r in records]
