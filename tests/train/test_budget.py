@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kiln import config as cfgio
 from kiln.config import ConfigError
 from kiln.train.budget import TimeBudget, parse_duration
 from kiln.train.trainer import Trainer
@@ -186,3 +187,17 @@ def test_on_a_noisy_machine_the_run_still_ends_on_its_planned_last_step(seconds:
     plans = _drive(budget, lambda n: 2.5 if n % 5 == 0 else 1.0)
     assert plans[-1] == len(plans)  # the last step ran as the schedule's last (its final lr)
     assert budget.elapsed - budget.seconds < 2.5
+
+
+def test_length_defaults_and_the_written_config_reads_back(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    from kiln.train.config import TrainSection
+
+    assert TrainSection().max_steps == 1000 and TrainSection().dtype == "auto"
+    assert TrainSection(time_budget="10m").max_steps is None  # no cap unless one is given
+    assert TrainSection(time_budget="10m").budget_seconds == 600.0
+    cfg = make_config(*_budget("1.5h"))
+    (tmp_path / "written.toml").write_text(cfg.to_toml())
+    again = cfgio.load(type(cfg), tmp_path / "written.toml")
+    assert again.train.time_budget == "1.5h" and again.train.max_steps is None
