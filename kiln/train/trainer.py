@@ -235,7 +235,7 @@ class Trainer:
             fp32 = distributed.any_rank(precision.name == "fp32", self.dist, self.device)
             if fp32 and precision.name != "fp32":
                 precision = Precision("fp32", requested, "another rank's probe chose fp32")
-        kept = (saved[1].get("precision") or {}) if saved is not None else {}
+        kept = _saved_precision(saved[1]) if saved is not None else {}
         if requested == "auto" and kept.get("dtype") not in (None, precision.name):
             slowdown = None
             if kept["dtype"] == "bf16" and self.device.type == "cpu":
@@ -599,6 +599,14 @@ class Trainer:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def _saved_precision(state: dict[str, Any]) -> dict[str, Any]:
+    """The precision a checkpoint was trained in (older ones name it in their config only)."""
+    if state.get("precision"):
+        return state["precision"]
+    dtype = state["config"].get("train", {}).get("dtype", "bf16")  # bf16: the old default
+    return {"dtype": dtype} if dtype != "auto" else {}
 
 
 def _seed_rank(seed: int, rank: int) -> None:

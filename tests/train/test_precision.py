@@ -86,3 +86,17 @@ def test_a_resumed_auto_run_keeps_its_checkpoints_dtype_on_another_machine(
     switched = Trainer(fp32, fp32.logging.run_dir, resume=True)
     assert switched.precision.name == "fp32"
     assert "train.dtype: 'auto' -> 'fp32'" in switched.notes
+
+
+def test_a_checkpoint_from_before_dtype_auto_keeps_the_dtype_its_config_names(
+    make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config("train.dtype=fp32", "train.max_steps=2", "eval.every=0")
+    Trainer(cfg, cfg.logging.run_dir).run()
+    state_file = Path(cfg.logging.run_dir) / "checkpoints" / "step_2" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["precision"]  # as written before train.dtype had "auto"
+    state_file.write_text(json.dumps(state))
+    _machine(monkeypatch, {"amx_bf16"}, 0.5)  # this machine alone would pick bf16
+    auto = make_config("train.dtype=auto", "train.max_steps=3", "eval.every=0")
+    assert Trainer(auto, auto.logging.run_dir, resume=True).precision.name == "fp32"
