@@ -11,7 +11,7 @@ from typing import Any
 EXAMPLES = """examples:
   kiln train configs/tiny.toml --set data.dataset=data/stories
   kiln train kiln/assets/demo.toml --set optim.lr=1e-3 --set train.time_budget=30m
-  kiln train configs/tiny.toml --set train.max_steps=2000 --set train.dtype=auto
+  kiln train kiln/assets/demo.toml --set train.time_budget=none --set train.max_steps=500
   kiln train kiln/assets/demo.toml --resume            # continue from runs/demo/checkpoints/latest
   kiln train kiln/assets/demo.toml --plot-schedule --set train.max_steps=250
                                                    # write runs/demo/report/lr_schedule.png"""
