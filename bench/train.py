@@ -3,17 +3,17 @@
 1. Prepare once (cached under --cache, default /tmp/kiln-bench-train): the `kiln demo`
    tokenizer (4096-token byte-level BPE) and token shards of the embedded TinyStories corpus.
 2. Time-to-loss at equal wall-clock: both recipes train with kiln's Trainer on the same data,
-   batch (16k tokens, micro-batch 16), precision (bf16 autocast), schedule shape (warmup +
-   cosine to 0.1x) and fixed val batches, for --budget seconds of training each.
+   batch (16k tokens, micro-batch 16), precision (demo.toml's dtype "auto": bf16 where the CPU
+   runs it natively, else fp32), schedule shape (warmup + cosine to 0.1x) and fixed val batches,
+   for --budget seconds of training each.
    - baseline: the GPT-2/nanoGPT recipe expressed in kiln: learned positions, LayerNorm with
      bias, GELU 4x MLP, tied head, multi-head attention, AdamW lr 6e-4, betas (0.9, 0.95),
      weight decay 0.1.
    - kiln: kiln/assets/demo.toml as shipped (RoPE, RMSNorm, SwiGLU, GQA, AdamW lr 2e-3).
-   Each recipe first times a few steps to plan train.max_steps; an on_step callback then
-   re-plans it from the recent step time after every step (the loop and the lr schedule read it
-   afresh), so the warmup + cosine schedule ends at the budget even when a shared machine's
-   speed drifts, and stops the run outright past the budget. The training clock excludes time
-   spent in evaluation (and the final checkpoint write).
+   Each recipe trains with train.time_budget = --budget: the trainer plans max_steps from the
+   measured step time and re-plans when a shared machine's speed drifts, so the warmup + cosine
+   schedule ends at the budget (kiln/train/budget.py). Its training clock leaves out evaluation,
+   sampling and checkpoints; the val-loss curve is evaluated at every tenth of the budget.
 3. Training tokens/s and peak memory: kiln's Transformer (the baseline's GPT-2 config) against
    HF transformers' GPT2LMHeadModel with the same weights (`kiln.model.hf.to_hf`), trained by
    the same loop (same batches, AdamW, fp32 eager, 1 torch thread), each in its own subprocess.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import resource
 import shutil
@@ -49,7 +48,7 @@ from kiln.train.trainer import Trainer
 
 DEFAULT_CACHE = Path("/tmp/kiln-bench-train")
 VOCAB = 4096
-CALIBRATION_STEPS = 4  # timed steps (after one untimed) to size max_steps from
+CURVE_POINTS = 10  # val-loss evaluations along the budget (at every tenth of it)
 GPT2_MODEL: dict[str, Any] = dict(
     block_size=256, n_layer=4, n_head=4, n_embd=256, vocab_multiple=64,
     pos_emb="learned", norm="layernorm", bias=True, mlp="gelu", tie_embeddings=True,
@@ -96,108 +95,44 @@ def recipes(data_dir: Path) -> dict[str, TrainConfig]:
     return {"baseline (GPT-2 recipe)": baseline, "kiln default (demo.toml)": kiln_cfg}
 
 
-def with_steps(cfg: TrainConfig, max_steps: int, eval_points: int) -> TrainConfig:
-    """`cfg` with train.max_steps and an eval every ~max_steps/eval_points steps."""
-    every = max(1, max_steps // eval_points)
+def with_budget(cfg: TrainConfig, budget: float) -> TrainConfig:
+    """`cfg` trained for `budget` seconds (no step cap), val loss only at the end of the run."""
     return dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, max_steps=max_steps),
-        eval=dataclasses.replace(cfg.eval, every=every),
+        train=dataclasses.replace(cfg.train, time_budget=budget, max_steps=None),
+        eval=dataclasses.replace(cfg.eval, every=0),
     )
-
-
-class Clock:
-    """Training wall-clock of a Trainer: time in `run` minus time spent in `evaluate`."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.start = time.perf_counter()
-        self.eval_s = 0.0
-        self.points: list[tuple[int, float]] = []  # (step, training seconds) after each step
-        evaluate = trainer.evaluate
-
-        def timed_evaluate() -> float | None:
-            t0 = time.perf_counter()
-            try:
-                return evaluate()
-            finally:
-                self.eval_s += time.perf_counter() - t0
-
-        trainer.evaluate = timed_evaluate  # type: ignore[method-assign]
-
-    def train_s(self) -> float:
-        """Seconds of training so far (evaluation excluded)."""
-        return time.perf_counter() - self.start - self.eval_s
-
-
-def calibrate(cfg: TrainConfig, run_dir: Path) -> float:
-    """Seconds per optimizer step of `cfg`, timed over a few steps after an untimed one."""
-    cfg = with_steps(cfg, 10_000, 1)
-    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=0, batches=0))
-    times: list[float] = []
-
-    def on_step(trainer: Trainer, step: int, loss: float) -> None:
-        times.append(time.perf_counter())
-        if step >= CALIBRATION_STEPS + 1:
-            trainer.request_stop()
-
-    shutil.rmtree(run_dir, ignore_errors=True)
-    Trainer(cfg, run_dir, on_step=on_step).run()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def time_to_loss(name: str, cfg: TrainConfig, budget: float, run_dir: Path) -> dict[str, Any]:
     """Train `cfg` for `budget` training seconds; the val-loss curve and the final val loss."""
-    step_s = calibrate(cfg, run_dir)
-    planned = max(2, int(budget / step_s))
-    cfg = with_steps(cfg, planned, eval_points=10)
+    cfg = with_budget(cfg, budget)
     shutil.rmtree(run_dir, ignore_errors=True)
-    trainer = Trainer(cfg, run_dir)
-    clock = Clock(trainer)
-    capped = [False]
+    curve: list[tuple[int, float, float]] = []  # (step, training seconds, val loss)
 
     def on_step(tr: Trainer, step: int, loss: float) -> None:
-        # Re-plan the end of the schedule from the recent step time (the machine may be shared
-        # and its speed drift): the loop and the lr schedule read train.max_steps afresh each
-        # step, so the cosine ends at the budget. Past the budget, stop outright.
-        now = clock.train_s()
-        clock.points.append((step, now))
-        if now >= budget:
-            if step < tr.cfg.train.max_steps:
-                capped[0] = True
-                tr.request_stop()
-            return
-        last = [t for _, t in clock.points[-11:]]
-        recent = [b - a for a, b in itertools.pairwise(last)]
-        rate = statistics.median(recent) if recent else step_s
-        tr.cfg.train.max_steps = step + max(1, int((budget - now) / rate))
+        # A curve point at each tenth of the budget; the trainer's clock does not count it.
+        if tr.train_seconds >= budget * (len(curve) + 1) / CURVE_POINTS and step < tr.max_steps:
+            curve.append((step, tr.train_seconds, tr.evaluate()))
+            print(f"  step {step:4d}  {tr.train_seconds:6.1f}s  val {curve[-1][2]:.4f}")
 
-    trainer.on_step = on_step
+    trainer = Trainer(cfg, run_dir, on_step=on_step)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    print(
-        f"{name}: {n_params / 1e6:.2f}M params, {step_s:.2f}s/step measured -> "
-        f"{planned} steps planned, eval every {cfg.eval.every}",
-        flush=True,
-    )
+    print(f"{name}: {n_params / 1e6:.2f}M params, {budget:.0f}s budget", flush=True)
+    start = time.perf_counter()
     result = trainer.run()
-    train_s = clock.train_s()
-    final = result.val_loss if not result.interrupted else trainer.evaluate()
-    seconds = dict(clock.points)
-    curve = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "val_loss" in record:
-            curve.append((record["step"], seconds[record["step"]], record["val_loss"]))
-            print(f"  step {curve[-1][0]:4d}  {curve[-1][1]:6.1f}s  val {curve[-1][2]:.4f}")
-    if not curve or curve[-1][0] != result.step:
-        curve.append((result.step, train_s, final))
+    wall = time.perf_counter() - start
+    train_s, final = trainer.train_seconds, result.val_loss
+    curve.append((result.step, train_s, final))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    planned = records[0]["max_steps"] if records else result.step
     tps = result.tokens / train_s
     print(f"  final val {final:.4f} after {result.step} steps, {train_s:.1f}s, {tps:,.0f} tok/s")
     return {
         "name": name, "params": n_params, "planned_steps": planned, "steps": result.step,
-        "tokens": result.tokens, "train_s": train_s, "eval_s": clock.eval_s, "capped": capped[0],
+        "tokens": result.tokens, "train_s": train_s, "eval_s": wall - train_s,
         "val_loss": final, "curve": curve, "tokens_per_s": tps, "lr": cfg.optim.lr,
-        "model": cfg.model,
+        "model": cfg.model, "dtype": trainer.precision.name,
     }  # fmt: skip
 
 
@@ -333,7 +268,11 @@ def throughput(data_dir: Path, steps: int, rounds: int, micro_batch: int) -> dic
 
 def report(runs: list[dict[str, Any]], tp: dict[str, Any] | None, args: argparse.Namespace) -> None:
     """Print the markdown tables and the target lines."""
-    print(f"\n### Time-to-loss ({args.budget:.0f} s of training each, bf16, 2 torch threads)\n")
+    dtypes = "/".join(sorted({r["dtype"] for r in runs})) or "-"
+    print(
+        f"\n### Time-to-loss ({args.budget:.0f} s of training each, {dtypes}, "
+        f"{torch.get_num_threads()} torch threads)\n"
+    )
     print(
         "| recipe | params | peak lr | steps (first plan) | tokens | train s | tok/s | final val |"
     )

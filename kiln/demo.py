@@ -2,11 +2,21 @@
 
 Tokenizer -> token shards -> a small Llama-style model -> validation loss -> three sampled
 stories -> a report, all under one run folder.
+
+Training is sized by time, not steps: the demo config's `train.time_budget` (10 minutes, or
+`--minutes N`) so the demo ends on time on a slow CPU and trains longer on a fast one. The other
+stages cost little beside it (measured on a 2-core machine shared with other jobs: tokenizer and
+shards under a second each, model set-up under a second, a checkpoint under 0.2 s, the three
+stories 6-15 s, the report ~1 s; a validation pass with its samples cost 1-10 training steps in
+noisy measurements and comes every 50 steps, so 2-20% of the budget, plus one at the end; the
+budget itself may run over by one step). That puts the whole demo at 11-13 minutes, under 15 on
+any 2-core x86-64 machine. `--steps N` trains exactly N steps instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from importlib import resources
 from pathlib import Path
@@ -35,6 +45,7 @@ def _step(n: int, text: str) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the five stages and say where everything was written."""
+    _length_overrides(args)  # a bad --minutes fails before any work
     out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise KilnError(f"{out} already exists and is not empty; pass --force to replace it")
@@ -75,6 +86,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"\nvalidation loss   {result.val_loss:.3f} nats/token after {result.step} steps "
         f"({result.tokens:,} tokens)"
     )
+    print(f"dtype             {trainer.precision.describe()}")
     print(f"time              {timings['total_s'] / 60:.1f} min")
     print(f"results           {report}")
     return 0
@@ -115,14 +127,18 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[T
     from kiln.train.trainer import Trainer
 
     overrides = [f"data.dataset={data_dir}", f"logging.run_dir={out / 'train'}"]
-    if args.steps is not None:
-        overrides.append(f"train.max_steps={args.steps}")
+    overrides += _length_overrides(args)
     cfg = load_train_config(asset("demo.toml"), [*overrides, *args.set])
     trainer = Trainer(cfg, out / "train")
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    length = (
+        f"{cfg.train.max_steps} steps"
+        if cfg.train.time_budget is None
+        else f"{cfg.train.budget_seconds / 60:.1f} min of training (steps planned as it goes)"
+    )
     print(
-        f"  {n_params / 1e6:.1f}M parameters, {cfg.train.max_steps} steps of "
-        f"{cfg.batch.global_tokens:,} tokens ({cfg.train.dtype}, {cfg.train.device})"
+        f"  {n_params / 1e6:.1f}M parameters, {length}, {cfg.batch.global_tokens:,} tokens "
+        f"per step ({trainer.precision.name}, {trainer.device})"
     )
     result = trainer.run()
     if result.interrupted:
@@ -132,6 +148,17 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[T
     if result.val_loss is None:
         result.val_loss = trainer.evaluate()
     return trainer, result
+
+
+def _length_overrides(args: argparse.Namespace) -> list[str]:
+    """--steps N (exactly N steps, no budget) or --minutes N (the budget), else the config's."""
+    if args.steps is not None:
+        return [f"train.max_steps={args.steps}", "train.time_budget=none"]
+    if args.minutes is not None:
+        if not (math.isfinite(args.minutes) and args.minutes > 0):
+            raise KilnError(f"--minutes must be a positive number, got {args.minutes}")
+        return [f"train.time_budget={args.minutes * 60:g}"]
+    return []
 
 
 def _sample_stories(model: Transformer, tok: Tokenizer, max_tokens: int) -> list[tuple[str, str]]:
@@ -162,6 +189,9 @@ def _write_report(
         "steps": result.step,
         "tokens": result.tokens,
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "precision": trainer.precision.to_dict(),
+        "time_budget_s": trainer.cfg.train.budget_seconds,
+        "train_seconds": round(trainer.train_seconds, 1),  # what the budget counts
         "timings": {k: round(v, 1) for k, v in timings.items()},
         "stories": [{"prompt": p, "text": s} for p, s in stories],
     }
@@ -182,13 +212,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         sub,
         "demo",
         "run the whole path on the embedded TinyStories corpus",
-        "examples:\n  kiln demo --out runs/demo\n  kiln demo --steps 20   # a quick look",
+        "examples:\n  kiln demo --out runs/demo\n  kiln demo --minutes 2   # a quick look\n"
+        "  kiln demo --steps 20    # exactly 20 steps",
         description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
         "shards, train a small Llama-style model on the CPU, report its validation loss and "
         "sample three stories; everything goes under one run folder.",
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
-    parser.add_argument("--steps", type=int, help="training steps (default: the demo config's)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        help="training time budget in minutes (default: the demo config's 10; evaluation, "
+        "sampling and checkpoints not counted)",
+    )
+    parser.add_argument("--steps", type=int, help="train exactly this many steps (no budget)")
     parser.add_argument("--story-tokens", type=int, default=160, help="tokens per story")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"

@@ -35,3 +35,22 @@ def test_demo_refuses_to_overwrite(tmp_path) -> None:
     (out / "keep.txt").write_text("mine")
     assert main(["demo", "--out", str(out)]) == 2
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_demo_trains_for_a_time_budget_and_says_its_dtype(tmp_path, capsys) -> None:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--out", str(out), "--minutes", "0.01", "--vocab-size", "512",
+               "--story-tokens", "8", "--set", "batch.global_tokens=4096",
+               "--set", "batch.micro_batch=16", "--set", "eval.batches=1"])  # fmt: skip
+    assert rc == 0
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert summary["time_budget_s"] == 0.6 and summary["steps"] >= 1
+    assert summary["precision"]["requested"] == "auto"
+    assert summary["precision"]["dtype"] in ("fp32", "bf16")
+    printed = capsys.readouterr().out
+    assert "0.0 min of training (steps planned as it goes)" in printed
+    assert "dtype             dtype auto → " in printed
+
+
+def test_demo_minutes_must_be_positive(tmp_path) -> None:
+    assert main(["demo", "--out", str(tmp_path / "d"), "--minutes", "0"]) == 2

@@ -127,7 +127,7 @@ def _run_config(cfg: TrainConfig, steps: int) -> TrainConfig:
     """The base config set to `steps` steps, one eval at the end, no samples, little saved."""
     return dataclasses.replace(
         cfg,
-        train=dataclasses.replace(cfg.train, max_steps=steps),
+        train=dataclasses.replace(cfg.train, max_steps=steps, time_budget=None),  # sized by steps
         schedule=dataclasses.replace(
             cfg.schedule, warmup_steps=min(cfg.schedule.warmup_steps, max(1, steps // 10))
         ),

@@ -58,6 +58,7 @@ class TrainState:
     dataset: dict[str, Any]  # `dataset_fingerprint` of the training data
     skipped_steps: int = 0
     rng: dict[str, Any] | None = None  # rank (as text) -> RNG states
+    precision: dict[str, Any] | None = None  # kiln.devices.Precision.to_dict() of the run
 
 
 # ---- RNG --------------------------------------------------------------------------------------
@@ -212,6 +213,7 @@ def save_checkpoint(
             "git_commit": git_commit(),
             "dataset": state.dataset,
             "config": state.config,
+            "precision": state.precision,
         }
         write_json_atomic(tmp / "state.json", doc)
         _fsync_dir(tmp)

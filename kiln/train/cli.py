@@ -11,9 +11,11 @@ from typing import Any
 
 EXAMPLES = """examples:
   kiln train configs/tiny.toml --set data.dataset=data/stories
-  kiln train kiln/assets/demo.toml --set optim.lr=1e-3 --set train.max_steps=2000
+  kiln train kiln/assets/demo.toml --set optim.lr=1e-3 --set train.time_budget=30m
+  kiln train kiln/assets/demo.toml --set train.time_budget=none --set train.max_steps=500
   kiln train kiln/assets/demo.toml --resume            # continue from runs/demo/checkpoints/latest
-  kiln train kiln/assets/demo.toml --plot-schedule     # write runs/demo/report/lr_schedule.png"""
+  kiln train kiln/assets/demo.toml --plot-schedule --set train.max_steps=250
+                                                   # write runs/demo/report/lr_schedule.png"""
 
 EXPORT_EXAMPLES = """examples:
   kiln export runs/demo --hf exports/demo           # the latest checkpoint
@@ -145,7 +147,14 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_train_config(args.config, overrides)
     run_dir = default_run_dir(cfg, args.config)
     if args.plot_schedule:
+        from kiln.errors import KilnError
         from kiln.train.schedule import plot_schedule
+
+        if cfg.train.max_steps is None:
+            raise KilnError(
+                "--plot-schedule needs train.max_steps: a train.time_budget run plans its steps "
+                "from the step time it measures while training (add --set train.max_steps=N)"
+            )
 
         out = plot_schedule(
             cfg.schedule, cfg.train.max_steps, cfg.optim.lr, run_dir / "report" / "lr_schedule.png"
@@ -167,7 +176,7 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
         f"kiln train: {m.num_params():,} parameters ({m.n_layer} layers, width {m.n_embd}) on "
         f"{trainer.device}; {c.batch.global_tokens:,} tokens per step = {trainer.accum} × "
         f"{c.batch.micro_batch} × {c.data.seq_len} × {trainer.dist.world_size} rank(s); "
-        f"{c.train.max_steps:,} steps; run in {run_dir}"
+        f"{_length(c)}; run in {run_dir}"
     )
     if args.resume:
         say(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
@@ -188,6 +197,16 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
         f"{last}{val}; checkpoint {result.checkpoint}; metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def _length(cfg: Any) -> str:
+    """How long the run is: its steps, or its time budget (and any step cap)."""
+    if cfg.train.time_budget is None:
+        return f"{cfg.train.max_steps:,} steps"
+    from kiln.train.budget import format_seconds
+
+    cap = f" (at most {cfg.train.max_steps:,} steps)" if cfg.train.max_steps else ""
+    return f"a time budget of {format_seconds(cfg.train.budget_seconds)} of training{cap}"
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:

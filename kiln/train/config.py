@@ -10,6 +10,9 @@ from typing import Any, Literal
 from kiln import config as cfgio
 from kiln.config import ConfigError, require
 from kiln.model.config import ModelConfig, ModelConfigError
+from kiln.train.budget import parse_duration
+
+DEFAULT_MAX_STEPS = 1000  # the length of a run that gives neither max_steps nor time_budget
 
 _check = require  # the one config check (kiln/config.py), raising ConfigError
 
@@ -81,11 +84,21 @@ class BatchConfig:
 
 @dataclass
 class TrainSection:
-    """How long and how: steps, clipping, precision, compile, device, seed, parallelism."""
+    """How long and how: steps or a time budget, clipping, precision, compile, device, seed.
 
-    max_steps: int = 1000
+    Length: `max_steps` alone trains that many steps (1000 when neither is given). `time_budget`
+    (seconds, or "90s", "10m", "1h") trains for that much training time, evaluation and
+    checkpoints not counted: the trainer plans max_steps from the measured step time so the lr
+    schedule ends at the budget (see kiln/train/budget.py); a `max_steps` given with it is an
+    upper bound on that plan.
+    """
+
+    max_steps: int | None = None
+    time_budget: float | str | None = None
     grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
-    dtype: Literal["bf16", "fp32"] = "bf16"  # autocast dtype of matmuls (weights stay fp32)
+    # Autocast dtype of matmuls (weights stay fp32). "auto": bf16 where the device runs it
+    # natively (CUDA with bf16, a CPU with AVX512_BF16/AMX that a probe confirms), else fp32.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     compile: bool = False
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # model initialisation and any sampling in training (dropout)
@@ -95,13 +108,23 @@ class TrainSection:
     parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.max_steps is None and self.time_budget is None:
+            self.max_steps = DEFAULT_MAX_STEPS
+        if self.max_steps is not None:
+            _check(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)  # a clear error now, not when training starts
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         modes = ("auto", "none", "ddp", "fsdp")
         _check(
             self.parallel in modes,
             f"train.parallel must be one of {', '.join(modes)}; got {self.parallel!r}",
         )
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """`time_budget` in seconds, or None when the run is sized by max_steps alone."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
 @dataclass

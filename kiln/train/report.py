@@ -142,6 +142,13 @@ def final_metrics(records: list[dict]) -> list[tuple[str, str]]:
         ("MFU (last)", f"{100 * mfus[-1]:.1f}%" if mfus else "n/a"),
         ("skipped steps", str(last.get("skipped_steps", 0))),
     ]
+    # Written by newer runs only: shown when there (the dtype auto chose, the budget's clock).
+    precision = [r["precision"] for r in records if isinstance(r.get("precision"), dict)]
+    if precision:
+        chosen = precision[-1]
+        rows.append(("precision", f"{chosen.get('dtype')} ({chosen.get('reason')})"))
+    if isinstance(last.get("train_s"), int | float):
+        rows.append(("training time", f"{last['train_s']:,.1f} s (evaluation excluded)"))
     return rows
 
 

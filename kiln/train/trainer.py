@@ -6,7 +6,12 @@ loss of each micro-step is divided by `accum` so the accumulated gradient is tha
 
 Everything that decides the next step (weights, optimizer state, loader cursor, RNG states,
 step) is in a checkpoint, and the lr is a pure function of the step, so a resumed run takes the
-same steps as an uninterrupted one (bit for bit on the CPU).
+same steps as an uninterrupted one (bit for bit on the CPU). A resumed `dtype = "auto"` run keeps
+the precision its checkpoint was trained in, even on a machine that would choose the other.
+
+The run's length is train.max_steps, or a plan that train.time_budget re-makes before every step
+from the measured step time (kiln/train/budget.py); the training seconds so far are in each
+checkpoint, so a resumed budgeted run ends at the same total budget.
 
 Parallelism is applied from outside the model (torchtitan style): `parallelize(model, cfg,
 dist)` returns the module to train (DDP/FSDP wrapping and compile go there; see distributed.py).
@@ -40,11 +45,13 @@ from torch import nn
 
 from kiln import config as cfgio
 from kiln.data import Dataset, Loader, LoaderCursor
+from kiln.devices import Precision, choose_precision, resolve_device
 from kiln.errors import KilnError
 from kiln.io import atomic_write
 from kiln.model import ModelConfig, Transformer
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
+from kiln.train.budget import TimeBudget, format_seconds
 from kiln.train.config import TrainConfig
 from kiln.train.distributed import DistInfo
 from kiln.train.loggers import Loggers, check_backends
@@ -76,16 +83,6 @@ def accumulation_steps(global_tokens: int, world_size: int, micro_batch: int, se
     return global_tokens // per_micro
 
 
-def resolve_device(name: str, dist: DistInfo) -> torch.device:
-    """The torch device of `train.device` ("auto": this rank's GPU when there is one, else CPU)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", dist.local_rank)
-    return device
-
-
 @dataclass
 class RunResult:
     """What a call to `Trainer.run` did."""
@@ -110,13 +107,16 @@ class Trainer:
         dist: DistInfo | None = None,
         parallelize: Parallelize = distributed.parallelize,
         on_step: Callable[[Trainer, int, float], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # No DistInfo given: torchrun's environment says (rank 0 of 1 without torchrun).
         self.dist = dist or DistInfo.from_env()
         self.run_dir = Path(run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.on_step = on_step
-        self.device = resolve_device(cfg.train.device, self.dist)
+        self.clock = clock  # times the training steps (a test passes a fake one)
+        self.say = print if self.dist.is_main else _silent
+        self.device = resolve_device(cfg.train.device, self.dist.local_rank)
         distributed.join_from_env(self.device, self.dist)
         self.dataset = Dataset.open(cfg.data.dataset)
         self.model_cfg: ModelConfig = cfg.model_config(self.dataset.vocab_size)
@@ -128,6 +128,7 @@ class Trainer:
         check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
         self.sampler = self._build_sampler()  # bad sample prompts fail before the run dir exists
         saved = self._find_resume_point(resume)
+        self.precision = self._choose_precision(saved)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -140,12 +141,18 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         _seed_rank(cfg.train.seed, self.dist.rank)
         self.step, self.tokens, self.skipped = 0, 0, 0
+        self.train_seconds = 0.0  # training time so far (eval, samples, checkpoints excluded)
+        planned: int | None = None  # a budgeted run's saved plan of max_steps
         cursor = LoaderCursor()
         if saved is not None:
             path, state = saved
             ckpt.load_weights(path, self.model, self.optimizer, self.device)
             self.step, self.tokens = state["step"], state["tokens"]
             self.skipped = state.get("skipped_steps", 0)
+            schedule = state["scheduler"]
+            self.train_seconds = float(schedule.get("train_seconds", 0.0))
+            if schedule.get("time_budget_s") == cfg.train.budget_seconds:
+                planned = schedule.get("max_steps")  # else a new budget: plan afresh
             cursor = LoaderCursor.from_dict(state["cursor"])
             rng = state["rng"].get(str(self.dist.rank))
             if rng is not None:
@@ -157,6 +164,16 @@ class Trainer:
                     f"{len(state['rng'])} rank(s)); reseeded"
                 )
         self.last_saved = self.step if saved is not None else -1
+        budget = self.cfg.train.budget_seconds
+        self.budget = (
+            None
+            if budget is None
+            else TimeBudget(budget, self.cfg.train.max_steps, self.train_seconds, planned)
+        )
+        # The schedule's length: fixed, or the budget's plan (re-made after every step).
+        self.max_steps: int = (
+            self.cfg.train.max_steps if self.budget is None else self.budget.plan(self.step)
+        )
         B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.dist.world_size
         self.loader = Loader(
             self.dataset, "train", T, W * B, cfg.data.seed, cursor, self.dist.rank, W
@@ -172,7 +189,8 @@ class Trainer:
             self.metrics.truncate_after(self.step)
             self.samples.truncate_after(self.step)
             with atomic_write(self.run_dir / "config.toml") as handle:
-                handle.write(self.cfg.to_toml())
+                header = f"kiln train config (fully resolved)\n{self.precision.describe()}"
+                handle.write(cfgio.to_toml(self.cfg.to_dict(), header=header))
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -204,6 +222,36 @@ class Trainer:
             )
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
+
+    def _choose_precision(self, saved: tuple[Path, dict[str, Any]] | None) -> Precision:
+        """train.dtype resolved for this device, said once; a resumed "auto" keeps its dtype.
+
+        Every rank must train in the same dtype: where any rank's "auto" falls back to fp32
+        (its probe disagreed), all do.
+        """
+        requested = self.cfg.train.dtype
+        precision = choose_precision(requested, self.device)
+        if requested == "auto":
+            fp32 = distributed.any_rank(precision.name == "fp32", self.dist, self.device)
+            if fp32 and precision.name != "fp32":
+                precision = Precision("fp32", requested, "another rank's probe chose fp32")
+        kept = _saved_precision(saved[1]) if saved is not None else {}
+        if requested == "auto" and kept.get("dtype") not in (None, precision.name):
+            slowdown = None
+            if kept["dtype"] == "bf16" and self.device.type == "cpu":
+                slowdown = choose_precision("bf16", self.device).bf16_slowdown
+            precision = Precision(
+                kept["dtype"],
+                requested,
+                f"kept from {saved[0].name} so the resumed run trains as it began (this machine "
+                f"alone would pick {precision.name}: {precision.reason}; set "
+                f"train.dtype={precision.name} to switch)",
+                slowdown,
+            )
+        self.say(f"kiln train: {precision.describe()}")
+        if precision.warning is not None:
+            self.say(f"kiln train: warning: {precision.warning}")
+        return precision
 
     def _build_sampler(self) -> ContinuationSampler | None:
         """The eval-step sampler on rank 0, or None (sampling off, FSDP, or no tokenizer).
@@ -272,11 +320,13 @@ class Trainer:
         return asked
 
     def run(self) -> RunResult:
-        """Train until train.max_steps or a stop request; returns what this call did."""
+        """Train until the planned last step or a stop request; returns what this call did."""
         cfg = self.cfg
         result = RunResult(step=self.step, tokens=self.tokens)
-        bar = _progress(cfg, self.step, self.dist)
+        bar = _progress(cfg, self.step, self.max_steps, self.dist)
         window_tokens, window_time = 0, 0.0
+        run_info = self._run_info()  # into the first metrics record of this call
+        started, trained = self.clock(), self.train_seconds
         if self.dist.is_main:
             self.loggers = Loggers.open(cfg, self.run_dir, self.step)
         with (
@@ -284,13 +334,14 @@ class Trainer:
             contextlib.closing(bar) if bar else contextlib.nullcontext(),
             contextlib.closing(self.loggers),
         ):
-            while self.step < cfg.train.max_steps and not self._stop_requested():
-                t0 = time.perf_counter()
+            while self.step < self.max_steps and not self._stop_requested():
+                t0 = self.clock()
                 loss, grad_norm, lr = self._train_step()
-                window_time += time.perf_counter() - t0
+                seconds = self._count_step_time(self.clock() - t0)
+                window_time += seconds
                 window_tokens += cfg.batch.global_tokens
                 result.losses.append(loss)
-                last = self.step == cfg.train.max_steps
+                last = self._plan_next(bar)
                 record = self._maybe_eval(last)
                 if record or self.step % cfg.logging.every == 0 or last:
                     tps = window_tokens / window_time if window_time > 0 else 0.0
@@ -298,9 +349,11 @@ class Trainer:
                         "step": self.step, "tokens": self.tokens, "loss": loss, "lr": lr,
                         "grad_norm": grad_norm, "tokens_per_s": tps,
                         "mfu": mfu(tps, self.flops_per_token, self.peak, self.dist.world_size),
-                        "skipped_steps": self.skipped, **record,
+                        "skipped_steps": self.skipped, "train_s": self.train_seconds,
+                        "max_steps": self.max_steps, **run_info, **record,
                     }  # fmt: skip
                     window_tokens, window_time = 0, 0.0
+                    run_info = {}
                     self._log(record, bar)
                     result.val_loss = record.get("val_loss", result.val_loss)
                 every = cfg.checkpoint.every
@@ -310,16 +363,73 @@ class Trainer:
                     bar.update(1)
                 if self.on_step is not None:
                     self.on_step(self, self.step, loss)
-        if self._stop_signal is not None and self.step < cfg.train.max_steps:
+        if self._stop_signal is not None and self.step < self.max_steps:
             result.interrupted, result.signal = True, self._stop_signal
             result.checkpoint = self.save()
         result.step, result.tokens = self.step, self.tokens
+        if self.budget is not None:
+            trained = self.train_seconds - trained
+            other = max(0.0, self.clock() - started - trained)
+            self.say(
+                f"kiln train: time budget: {format_seconds(self.train_seconds)} of "
+                f"{format_seconds(self.budget.seconds)} trained, {self.step:,} steps "
+                f"(evaluation, sampling and checkpoints took {format_seconds(other)} more, "
+                "not counted)"
+            )
         return result
+
+    def _run_info(self) -> dict[str, Any]:
+        """What this call of `run` trains with, for the first metrics record and the log."""
+        info: dict[str, Any] = {"precision": self.precision.to_dict()}
+        if self.budget is not None:
+            info["time_budget_s"] = self.budget.seconds
+            cap = f", at most {self.cfg.train.max_steps:,} steps" if self.budget.cap else ""
+            done = (
+                f"; {format_seconds(self.train_seconds)} already trained"
+                if self.train_seconds
+                else ""
+            )
+            self.say(
+                f"kiln train: time budget {format_seconds(self.budget.seconds)} of training"
+                f"{cap}{done}: steps are planned from the measured step time so the lr schedule "
+                "ends on time (evaluation, sampling and checkpoints are not counted)"
+            )
+        return info
+
+    def _count_step_time(self, seconds: float) -> float:
+        """Add one step's time to the training clock (under torchrun: the ranks' mean).
+
+        Every rank must plan the same steps, so a budgeted run agrees on each step's time.
+        """
+        if self.budget is not None and self.dist.world_size > 1:
+            t = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+            seconds = distributed.mean_across_ranks(t, self.dist).item()
+        self.train_seconds += seconds
+        if self.budget is not None:
+            self.budget.record(seconds)
+        return seconds
+
+    def _plan_next(self, bar: Any) -> bool:
+        """Re-plan a budgeted run's length after a step; whether that step was the last one."""
+        if self.budget is not None and self.step < self.max_steps:
+            self.max_steps = self.budget.plan(self.step)
+            note = self.budget.replan_note()
+            if note is not None:
+                self._tell(note)
+            if bar is not None and bar.total != self.max_steps:
+                bar.total = self.max_steps
+                bar.refresh()
+        return self.step >= self.max_steps
+
+    def _tell(self, line: str) -> None:
+        """Rank 0: a line in the log that does not break the progress bar."""
+        if self.dist.is_main:
+            tqdm_write(f"kiln train: {line}")
 
     def _train_step(self) -> tuple[float, float, float]:
         """One optimizer step over `accum` micro-batches: (mean loss, grad norm, lr)."""
         cfg = self.cfg
-        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, cfg.train.max_steps))
+        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, self.max_steps))
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
             x, y = self.loader.next_batch().to_torch(self.device)  # (B, T) each
@@ -373,7 +483,7 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast for matmuls (on CPU and CUDA), or nothing for fp32."""
-        enabled = self.cfg.train.dtype == "bf16"
+        enabled = self.precision.name == "bf16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     @torch.no_grad()
@@ -458,8 +568,15 @@ class Trainer:
             dataset=ckpt.dataset_fingerprint(self.dataset.manifest),
             skipped_steps=self.skipped,
             rng={str(rank): rng for rank, rng in enumerate(rngs)},
+            precision=self.precision.to_dict(),
         )
-        scheduler = {**cfgio.to_dict(self.cfg.schedule), "max_steps": self.cfg.train.max_steps}
+        # The schedule as it stands: a budgeted run's plan and clock go on from here on resume.
+        scheduler = {
+            **cfgio.to_dict(self.cfg.schedule),
+            "max_steps": self.max_steps,
+            "train_seconds": self.train_seconds,
+            "time_budget_s": self.budget.seconds if self.budget is not None else None,
+        }
         return ckpt.save_checkpoint(
             self.checkpoints, tensors, optim_state, state, scheduler,
             self.cfg.checkpoint.keep_last,
@@ -485,6 +602,14 @@ class Trainer:
                 signal.signal(s, h)
 
 
+def _saved_precision(state: dict[str, Any]) -> dict[str, Any]:
+    """The precision a checkpoint was trained in (older ones name it in their config only)."""
+    if state.get("precision"):
+        return state["precision"]
+    dtype = state["config"].get("train", {}).get("dtype", "bf16")  # bf16: the old default
+    return {"dtype": dtype} if dtype != "auto" else {}
+
+
 def _seed_rank(seed: int, rank: int) -> None:
     """Seed Python and NumPy (and torch past rank 0) for this rank: one state per rank.
 
@@ -505,10 +630,14 @@ def tqdm_write(line: str) -> None:
     tqdm.write(line)
 
 
-def _progress(cfg: TrainConfig, step: int, dist: DistInfo) -> Any:
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print's stand-in on ranks other than the main one."""
+
+
+def _progress(cfg: TrainConfig, step: int, total: int, dist: DistInfo) -> Any:
     """A tqdm bar over the steps (with loss, tokens/s, MFU and its own ETA), or None."""
     if not (cfg.logging.progress and dist.is_main):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.train.max_steps, initial=step, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=step, unit="step", dynamic_ncols=True)

@@ -10,6 +10,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.config import ConfigError, to_toml
+from kiln.errors import KilnError
 from kiln.train.cli import register
 
 from .conftest import CONFIGS
@@ -44,6 +45,22 @@ def test_train_then_resume_from_the_command_line(
     assert "step 3 (768 tokens)" in out
 
 
+def test_train_for_a_time_budget_from_the_command_line(
+    tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        str(CONFIGS / "tiny.toml"), "--no-progress",
+        "--set", f"data.dataset={tiny_dataset}", "--set", f"logging.run_dir={tmp_path / 'run'}",
+        "--set", "train.time_budget=0.5s", "--set", "train.max_steps=none",
+        "--set", "eval.every=0", "--set", "checkpoint.every=0",
+    ]  # fmt: skip
+    assert _run(*argv) == 0
+    out = capsys.readouterr().out
+    assert "a time budget of 0.5 s of training; run in" in out
+    assert "(evaluation, sampling and checkpoints are not counted)" in out
+    assert "kiln train: dtype fp32: asked for" in out
+
+
 def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     run = tmp_path / "r"
@@ -53,7 +70,10 @@ def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:
         "--set",
         f"logging.run_dir={run}",
     ]
-    assert _run(*argv) == 0
+    # demo.toml trains for a time budget: its steps are planned while it trains.
+    with pytest.raises(KilnError, match=r"--plot-schedule needs train\.max_steps"):
+        _run(*argv)
+    assert _run(*argv, "--set", "train.max_steps=250") == 0
     assert (run / "report" / "lr_schedule.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -227,3 +227,18 @@ def test_parallel_mode_and_its_config(tiny_dataset: Path) -> None:
         parallel_mode(cfg("none"), DistInfo(0, 2))
     with pytest.raises(ConfigError, match=r"train\.parallel"):
         cfg("zero3")
+
+
+@needs_gloo
+def test_two_processes_agree_on_a_time_budget_and_the_dtype(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """Each rank times its own steps; they must plan the same steps, or one would hang."""
+    run = tmp_path / "run"
+    sets = _sets(tiny_dataset, run, "train.time_budget=1", "train.max_steps=none",
+                 "train.dtype=auto", "eval.every=0", "checkpoint.every=0")  # fmt: skip
+    seen = _worker(tmp_path / "out.json", sets)
+    records = _records(run)
+    assert seen["world_size"] == 2 and seen["step"] == records[-1]["step"] >= 1
+    assert records[-1]["max_steps"] == seen["step"]  # ended where its last plan said
+    assert records[0]["precision"]["requested"] == "auto"

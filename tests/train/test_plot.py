@@ -117,3 +117,14 @@ def test_final_metrics_table() -> None:
         "MFU (last)": "12.5%",
         "skipped steps": "1",
     }
+
+
+def test_final_metrics_show_the_dtype_chosen_and_the_training_time() -> None:
+    precision = {"dtype": "fp32", "requested": "auto", "reason": "no native bf16"}
+    records = [
+        {"step": 1, "tokens": 100, "loss": 5.0, "precision": precision, "train_s": 1.25},
+        {"step": 2, "tokens": 200, "loss": 4.5, "train_s": 2.5},
+    ]
+    rows = dict(final_metrics(records))
+    assert rows["precision"] == "fp32 (no native bf16)"
+    assert rows["training time"] == "2.5 s (evaluation excluded)"
