@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.io import check_can_write, sha256_file, write_json_atomic
+from kiln.io import check_can_replace_dir, sha256_file, write_json_atomic
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
@@ -187,7 +187,7 @@ def export_hf(
     from kiln.model.hf import config_to_hf, save_hf_dir
 
     run_dir, out = Path(run_dir), Path(out)
-    check_can_write(out, force)
+    check_can_replace_dir(out, force, is_export_dir, "a kiln export (no kiln_export.json)")
     checkpoint = find_checkpoint(run_dir, step)
     state = ckpt.read_state(checkpoint)
     model = load_checkpoint_model(checkpoint)
@@ -226,6 +226,11 @@ def export_hf(
         out=out, checkpoint=checkpoint, step=state["step"], tokens=state["tokens"],
         model_type=model_type, tokenizer=tok_path, eos_token=eos_token, eos_id=eos_id,
     )  # fmt: skip
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` is an HF directory `kiln export` wrote (the only kind --force replaces)."""
+    return (path / "kiln_export.json").is_file()
 
 
 def _replace(tmp: Path, out: Path) -> None:

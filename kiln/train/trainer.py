@@ -127,6 +127,8 @@ class Trainer:
         self.notes: list[str] = []  # what a resume changed, for the CLI to print
         check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
         saved = self._find_resume_point(resume)
+        if self.dist.is_main:  # what a killed run left: temp/trash folders, an unfinished prune
+            self.notes += ckpt.tidy(self.checkpoints, cfg.checkpoint.keep_last if saved else None)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
             torch.backends.cuda.matmul.allow_tf32 = True
