@@ -170,9 +170,19 @@ def remove_dir(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(trash)
 
 
+_kill_point_hits: dict[str, int] = {}
+
+
 def kill_point(name: str) -> None:
-    """SIGKILL this process here when KILN_TEST_KILL_AT names this point (crash tests only)."""
-    if os.environ.get("KILN_TEST_KILL_AT") == name:
+    """SIGKILL this process at its n-th pass here when KILN_TEST_KILL_AT is `name` or `name@n`.
+
+    The crash-injection tests' hook; without that variable it does nothing.
+    """
+    point, _, nth = os.environ.get("KILN_TEST_KILL_AT", "").partition("@")
+    if point != name:
+        return
+    _kill_point_hits[name] = _kill_point_hits.get(name, 0) + 1
+    if _kill_point_hits[name] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -247,6 +247,7 @@ def save_checkpoint(
     with atomic_write(checkpoints / LATEST) as handle:
         handle.write(final.name + "\n")
     _fsync_dir(checkpoints)
+    kill_point("save:before-prune")
     prune(checkpoints, keep_last)
     return final
 
