@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -383,6 +384,22 @@ def read_state(path: Path) -> dict[str, Any]:
     return doc
 
 
+def read_tensors(file: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors file; a damaged file is one clear error."""
+    try:
+        return load_file(str(file), device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise KilnError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def read_optimizer(file: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint's optimizer state (tensors only, no code); a damaged file is one clear error."""
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except Exception as exc:  # torch raises many kinds (pickle, zip, key errors) for bad bytes
+        raise KilnError(f"{file}: not a readable optimizer state ({type(exc).__name__})") from None
+
+
 def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.device) -> None:
     """Load the model weights and the optimizer state of checkpoint `path` in place.
 
@@ -393,7 +410,7 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
         _load_sharded(path, model, optimizer)
         return
     _, aliases = unique_tensors(model)
-    tensors = load_file(str(path / "model.safetensors"), device=str(device))
+    tensors = read_tensors(path / "model.safetensors", device)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [name for name in missing if name not in aliases]
     if missing or unexpected:
@@ -401,7 +418,7 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
             f"{path}/model.safetensors does not match the model: missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)}"
         )
-    state = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    state = read_optimizer(path / "optimizer.pt", device)
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as exc:
@@ -472,7 +489,7 @@ def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
 
 def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
     """Load full-tensor checkpoint files into a sharded model and its optimizer."""
-    tensors = load_file(str(path / "model.safetensors"), device="cpu")
+    tensors = read_tensors(path / "model.safetensors", "cpu")
     for alias, name in tied_aliases(model).items():
         if name in tensors:
             tensors[alias] = tensors[name]
@@ -480,7 +497,7 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
         set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise KilnError(f"{path}/model.safetensors does not match the model: {exc}") from None
-    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    state = read_optimizer(path / "optimizer.pt", "cpu")
     try:
         for opt, saved in zip(optimizer, state["optimizers"], strict=True):
             params = [p for g in opt.param_groups for p in g["params"]]

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from kiln import __version__
 from kiln.errors import KilnError
@@ -86,7 +85,7 @@ def load_checkpoint_model(path: Path, device: str | torch.device = "cpu") -> Tra
         model = Transformer(cfg)
     model.to_empty(device=device)
     _, aliases = ckpt.unique_tensors(model)  # a tied head is stored once, as the embedding
-    tensors = load_file(str(weights), device=str(device))
+    tensors = ckpt.read_tensors(weights, device)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [name for name in missing if name not in aliases]
     if missing or unexpected:
