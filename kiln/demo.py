@@ -230,5 +230,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"
     )
     parser.add_argument("--out", help="run folder (default runs/demo-<timestamp>)")
-    parser.add_argument("--force", action="store_true", help="replace an existing run folder")
+    parser.add_argument("--force", action="store_true", help="replace a folder kiln demo made")
     parser.set_defaults(handler=run_demo)

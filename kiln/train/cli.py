@@ -82,7 +82,7 @@ def _register_export(sub: Any) -> None:
         metavar="PATH",
         help="tokenizer file (default: the one the run's dataset manifest names)",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing DIR")
+    p.add_argument("--force", action="store_true", help="replace a DIR an earlier export wrote")
     p.set_defaults(handler=run_export)
 
 
