@@ -54,7 +54,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     found = ckpt.list_checkpoints(checkpoints)
     if step is not None:
         path = ckpt.step_dir(checkpoints, step)
-        if not (path / "state.json").is_file():
+        if not ckpt.is_complete(path):  # a partial folder (a kill mid-prune) is not one
             have = ", ".join(str(s) for s, _ in found) or "none"
             raise KilnError(f"{path}: no checkpoint of step {step} (steps saved: {have})")
         return path

@@ -159,7 +159,8 @@ def test_a_partial_step_directory_is_not_a_checkpoint_and_is_removed_at_start(
     checkpoints = run / "checkpoints"
     partial = checkpoints / "step_2"
     partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"")
+    (partial / "state.json").write_bytes((checkpoints / "step_4" / "state.json").read_bytes())
+    (partial / "model.safetensors").write_bytes(b"")  # its optimizer.pt already deleted
     alive = checkpoints / f".tmp-step_8-{os.getpid()}"  # a save in progress in a live process
     alive.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
