@@ -327,6 +327,8 @@ def load(
             raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (invalid byte at {exc.start})") from None
     for assignment in overrides:
         try:
             apply_override(data, cls, assignment)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # torch-heavy modules are imported inside the steps that need
     from kiln.train.trainer import RunResult, Trainer
 
 STORY_PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom and his dog")
+DEMO_MARKER = ".kiln-demo"  # marks a folder `kiln demo --force` may replace
+DEMO_ENTRIES = {DEMO_MARKER, "tokenizer.json", "data", "train", "report"}
 DEMO_SAMPLE = "Once upon a time, a little robot named Kiln baked 3 loaves of bread. It's warm!"
 
 
@@ -45,15 +47,9 @@ def _step(n: int, text: str) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the five stages and say where everything was written."""
-    _length_overrides(args)  # a bad --minutes fails before any work
     out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise KilnError(f"{out} already exists and is not empty; pass --force to replace it")
-    if out.exists() and args.force:
-        import shutil
-
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    _check_arguments(args)
+    _prepare_out(out, args.force)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -90,6 +86,47 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"time              {timings['total_s'] / 60:.1f} min")
     print(f"results           {report}")
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything is written or replaced."""
+    if args.vocab_size < 257:
+        raise KilnError(
+            f"--vocab-size {args.vocab_size} is too small: it must be at least 257 "
+            "(256 byte values + the end-of-text token)"
+        )
+    if args.steps is not None and args.steps < 1:
+        raise KilnError(f"--steps must be >= 1, got {args.steps}")
+    if args.story_tokens < 0:
+        raise KilnError(f"--story-tokens must be >= 0, got {args.story_tokens}")
+    from kiln.train.config import load_train_config
+
+    # A bad --minutes or --set fails here, with the overrides the run will use.
+    load_train_config(asset("demo.toml"), [*_length_overrides(args), *args.set])
+
+
+def is_demo_dir(path: Path) -> bool:
+    """Whether `path` is a run folder `kiln demo` made (the only kind --force replaces)."""
+    if (path / DEMO_MARKER).is_file():
+        return True
+    # Folders of kiln versions before the marker: only the demo's own entries, with a tokenizer.
+    names = {entry.name for entry in path.iterdir()}
+    return (path / "tokenizer.json").is_file() and names <= DEMO_ENTRIES
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    """Create the run folder; with --force, first remove a previous demo run (nothing else)."""
+    from kiln.io import check_can_replace_dir, remove_dir
+
+    if check_can_replace_dir(out, force, is_demo_dir, "a kiln demo run folder"):
+        remove_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KilnError(f"cannot create the run folder {out}: {exc.strerror}") from None
+    (out / DEMO_MARKER).write_text(
+        "made by `kiln demo`; `kiln demo --force` may replace this folder\n", encoding="utf-8"
+    )
 
 
 def _train_tokenizer(out: Path, vocab_size: int) -> Tokenizer:
@@ -231,5 +268,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"
     )
     parser.add_argument("--out", help="run folder (default runs/demo-<timestamp>)")
-    parser.add_argument("--force", action="store_true", help="replace an existing run folder")
+    parser.add_argument("--force", action="store_true", help="replace a folder kiln demo made")
     parser.set_defaults(handler=run_demo)

@@ -9,6 +9,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,9 +125,65 @@ def sha256_file(path: str | os.PathLike[str], chunk_size: int = 1 << 20) -> str:
 
 
 def check_can_write(path: str | os.PathLike[str], force: bool) -> None:
-    """Refuse to replace an existing artifact unless `force` is set."""
+    """Refuse to replace an existing file unless `force` is set; never replace a directory."""
+    if os.path.isdir(path):
+        raise KilnError(f"{os.fspath(path)} is a directory; expected a file to write")
     if os.path.exists(path) and not force:
         raise KilnError(f"{os.fspath(path)} already exists; pass --force to replace it")
+
+
+def check_can_replace_dir(
+    path: str | os.PathLike[str], force: bool, is_ours: Callable[[Path], bool], what: str
+) -> bool:
+    """Whether output folder `path` exists and may be replaced; refuse anything else clearly.
+
+    A missing or empty folder is fine. An existing one needs `force`, and even then only a
+    folder that `is_ours` recognises as `what` (e.g. "a kiln demo run") is replaced: --force
+    must never delete a user's unrelated directory. A file in the way is an error.
+    """
+    target = Path(path)
+    if not target.exists() and not target.is_symlink():
+        return False
+    if not target.is_dir():
+        raise KilnError(f"{target} exists and is not a directory; choose another output folder")
+    if not any(target.iterdir()):
+        return False
+    if not force:
+        raise KilnError(f"{target} already exists and is not empty; pass --force to replace it")
+    if target.is_symlink() or not is_ours(target):
+        raise KilnError(f"{target} exists and is not {what}; refusing to replace it")
+    return True
+
+
+def remove_dir(path: str | os.PathLike[str]) -> None:
+    """Delete a directory tree so that it vanishes at once: renamed out of sight, then deleted.
+
+    A kill during the deletion leaves only a hidden `.trash-NAME-PID` folder, never a half
+    folder under the real name.
+    """
+    target = Path(path)
+    trash = target.with_name(f".trash-{target.name}-{os.getpid()}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(target, trash)
+    kill_point("remove:after-rename")
+    shutil.rmtree(trash)
+
+
+_kill_point_hits: dict[str, int] = {}
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process at its n-th pass here when KILN_TEST_KILL_AT is `name` or `name@n`.
+
+    The crash-injection tests' hook; without that variable it does nothing.
+    """
+    point, _, nth = os.environ.get("KILN_TEST_KILL_AT", "").partition("@")
+    if point != name:
+        return
+    _kill_point_hits[name] = _kill_point_hits.get(name, 0) + 1
+    if _kill_point_hits[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -126,7 +126,7 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
     found = ckpt.list_checkpoints(checkpoints)
     if step is not None:
         chosen = ckpt.step_dir(checkpoints, step)
-        if not (chosen / "state.json").is_file():
+        if not ckpt.is_complete(chosen):  # a partial folder (a kill mid-prune) is not one
             have = ", ".join(str(s) for s, _ in found) or "none"
             raise KilnError(f"{chosen}: no checkpoint of step {step} (steps saved: {have})")
         return chosen
@@ -156,13 +156,12 @@ def load_checkpoint_model(path: Path, device: str | torch.device = "cpu") -> Tra
         raise KilnError(
             f"{weights}: missing (a sharded checkpoint? loading reads model.safetensors)"
         )
-    from safetensors.torch import load_file
 
     with torch.device("meta"):  # no random init of weights that are overwritten at once
         model = Transformer(cfg)
     model.to_empty(device=device)
     _, aliases = ckpt.unique_tensors(model)  # a tied head is stored once, as the embedding
-    tensors = load_file(str(weights), device=str(device))
+    tensors = ckpt.read_tensors(weights, device)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [name for name in missing if name not in aliases]
     if missing or unexpected:

@@ -52,8 +52,13 @@ def load_hf_dir(path: str | Path, device: torch.device | str = "cpu") -> Transfo
     config_file = path / "config.json"
     if not config_file.is_file():
         raise KilnError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    cfg = config_from_hf(json.loads(config_file.read_text()))
-    return _build(cfg, _read_weights(path), device)
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{config_file}: not a JSON model config ({exc})") from None
+    if not isinstance(hf_config, dict):
+        raise KilnError(f"{config_file}: expected a JSON object, got {type(hf_config).__name__}")
+    return _build(config_from_hf(hf_config), _read_weights(path), device)
 
 
 def save_hf_dir(model: Transformer, path: str | Path, eos_token_id: int | None = None) -> None:
@@ -364,7 +369,14 @@ def _build(
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
     """All tensors of an HF directory: model.safetensors, its sharded index, or pytorch_model.bin."""
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file as load_safetensors
+
+    def load_file(file: Path) -> dict[str, Tensor]:
+        try:
+            return load_safetensors(file)
+        except (SafetensorError, OSError) as exc:
+            raise KilnError(f"{file}: not a readable safetensors file ({exc})") from None
 
     if (path / "model.safetensors").is_file():
         return load_file(path / "model.safetensors")

@@ -151,7 +151,6 @@ def write_sweep(
 
     out = Path(out)
     check_can_write(out / "sweep.json", force)
-    _set_aside_old_results(out)
     base = load_train_config(base_path, overrides or [])
     dataset = Dataset.open(base.data.dataset)
     planned, notes = plan_sweep(base, dataset.vocab_size, budgets, shapes, min_steps)
@@ -164,6 +163,7 @@ def write_sweep(
     ]
     if not planned:
         raise KilnError("no run left in the sweep: raise the budgets or use smaller models")
+    _set_aside_old_results(out)  # only once the new sweep is known to be valid
     for run, cfg in planned:
         cfg = dataclasses.replace(
             cfg, logging=dataclasses.replace(cfg.logging, run_dir=str(out / "runs" / run.name))

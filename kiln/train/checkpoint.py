@@ -3,8 +3,11 @@
 A checkpoint directory holds `model.safetensors` (a tied head stored once), `optimizer.pt`
 (torch optimizer state dicts, loaded with weights_only) and `state.json`: step, tokens seen,
 loader cursor, RNG states per rank, the schedule, kiln version, git commit and the fully
-resolved config. It is written under a temporary name and renamed, so a reader never sees half
-of one; `checkpoints/latest` (a one-line text file) names the newest complete one.
+resolved config. It is written under a temporary name (`.tmp-step_N-PID`, state.json last) and
+renamed, so a reader never sees half of one; `checkpoints/latest` (a one-line text file) names the
+newest complete one. Pruning renames a checkpoint out of sight (`.trash-step_N-PID`) before
+deleting it. Only complete directories (all three files) are listed as checkpoints, and
+`clean_leftovers` removes what a killed run left behind (trash, temp folders of dead processes).
 
 The files are the same whether one process, DDP or FSDP2 trained: a sharded model's tensors are
 gathered to rank 0 (torch.distributed.checkpoint.state_dict, full state dicts) before writing,
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -39,12 +43,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln import __version__
 from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
-from kiln.io import atomic_write, write_json_atomic
+from kiln.io import atomic_write, kill_point, write_json_atomic
 
 STATE_FORMAT = "kiln.checkpoint"
 STATE_VERSION = 1
 LATEST = "latest"
+# Written in this order; state.json last, so its presence (with the others) marks completeness.
+FILES = ("model.safetensors", "optimizer.pt", "state.json")
 _TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
 
 
 @dataclass
@@ -123,8 +130,13 @@ def step_dir(checkpoints: Path, step: int) -> Path:
     return checkpoints / f"step_{step}"
 
 
-def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, dir), oldest first."""
+def is_complete(path: Path) -> bool:
+    """Whether checkpoint directory `path` holds every file of a checkpoint."""
+    return path.is_dir() and all((path / name).is_file() for name in FILES)
+
+
+def _step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
+    """Every `step_<N>` directory, complete or not, as (step, dir), oldest first."""
     found = []
     if checkpoints.is_dir():
         for entry in checkpoints.iterdir():
@@ -134,13 +146,18 @@ def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, dir), oldest first (a partial directory is not one)."""
+    return [(step, path) for step, path in _step_dirs(checkpoints) if is_complete(path)]
+
+
 def latest_checkpoint(checkpoints: Path) -> Path | None:
     """The checkpoint `latest` names, or None when there is none; a dangling pointer is an error."""
     pointer = checkpoints / LATEST
     if not pointer.is_file():
         return None
     target = checkpoints / pointer.read_text(encoding="utf-8").strip()
-    if not (target / "state.json").is_file():
+    if not is_complete(target):
         raise KilnError(f"{pointer} names {target.name}, which is missing or incomplete")
     return target
 
@@ -195,6 +212,7 @@ def save_checkpoint(
     try:
         tensors = model if isinstance(model, dict) else unique_tensors(model)[0]
         save_file(tensors, str(tmp / "model.safetensors"))
+        kill_point("save:mid-write")
         umask = os.umask(0)  # safetensors creates the file 0600; give it a plain open()'s mode
         os.umask(umask)
         os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
@@ -217,8 +235,9 @@ def save_checkpoint(
         }
         write_json_atomic(tmp / "state.json", doc)
         _fsync_dir(tmp)
+        kill_point("save:before-rename")
         if final.exists():  # re-saving a step (e.g. after a resume): swap, never half-delete
-            old = checkpoints / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            old = _trash_name(final)
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old)
@@ -227,19 +246,97 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    kill_point("save:after-rename")
     with atomic_write(checkpoints / LATEST) as handle:
         handle.write(final.name + "\n")
     _fsync_dir(checkpoints)
+    kill_point("save:before-prune")
     prune(checkpoints, keep_last)
     return final
 
 
 def prune(checkpoints: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names)."""
+    """Delete all but the newest `keep_last` checkpoints (never the one `latest` names).
+
+    Each is renamed out of sight first, so a kill mid-deletion leaves a hidden trash folder
+    (removed by `clean_leftovers`), never a partial `step_<N>`.
+    """
     keep = latest_checkpoint(checkpoints)
     for _, path in list_checkpoints(checkpoints)[:-keep_last]:
         if keep is None or path.resolve() != keep.resolve():
-            shutil.rmtree(path)
+            trash = _trash_name(path)
+            path.rename(trash)
+            kill_point("prune:after-rename")
+            shutil.rmtree(trash)
+
+
+def clean_leftovers(checkpoints: Path) -> list[str]:
+    """Remove what killed runs left in `checkpoints`; returns the names removed.
+
+    That is: trash folders, temp folders (and `latest` temp files) of processes that are gone,
+    and partial `step_<N>` folders (older kilns pruned in place) other than the one `latest`
+    names, which is left for its clear error. Call it from the run's one main process, at start.
+    """
+    if not checkpoints.is_dir():
+        return []
+    pointer = checkpoints / LATEST
+    named = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    removed = []
+    for entry in sorted(checkpoints.iterdir()):
+        name = entry.name
+        if name.startswith(_TRASH_PREFIX):
+            doomed = True
+        elif name.startswith(_TMP_PREFIX):
+            pid = name.rpartition("-")[2]
+            doomed = not (pid.isdigit() and _pid_alive(int(pid)))
+        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
+            doomed = True  # atomic_write's temp file for the pointer
+        else:
+            doomed = (
+                name.startswith("step_") and entry.is_dir() and name != named
+                and not is_complete(entry)
+            )  # fmt: skip
+        if not doomed:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(name)
+    return removed
+
+
+def tidy(checkpoints: Path, keep_last: int | None) -> list[str]:
+    """At a run's start: `clean_leftovers`, then prune to `keep_last` (None: no pruning).
+
+    A kill during the pruning after the final save would otherwise leave the extra checkpoints
+    forever (a resume with nothing to do saves nothing, so never prunes). Returns notes.
+    """
+    notes = [f"removed leftover {name} from {checkpoints}" for name in clean_leftovers(checkpoints)]
+    if keep_last is not None:
+        prune(checkpoints, keep_last)
+    return notes
+
+
+def _trash_name(path: Path) -> Path:
+    """Where `path` goes to be deleted: a hidden name that no listing takes for a checkpoint."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    return trash
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this machine)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, but is someone else's
+        return True
+    return True
 
 
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -289,6 +386,22 @@ def read_state(path: Path) -> dict[str, Any]:
     return doc
 
 
+def read_tensors(file: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors file; a damaged file is one clear error."""
+    try:
+        return load_file(str(file), device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise KilnError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def read_optimizer(file: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint's optimizer state (tensors only, no code); a damaged file is one clear error."""
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except Exception as exc:  # torch raises many kinds (pickle, zip, key errors) for bad bytes
+        raise KilnError(f"{file}: not a readable optimizer state ({type(exc).__name__})") from None
+
+
 def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.device) -> None:
     """Load the model weights and the optimizer state of checkpoint `path` in place.
 
@@ -299,7 +412,7 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
         _load_sharded(path, model, optimizer)
         return
     _, aliases = unique_tensors(model)
-    tensors = load_file(str(path / "model.safetensors"), device=str(device))
+    tensors = read_tensors(path / "model.safetensors", device)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [name for name in missing if name not in aliases]
     if missing or unexpected:
@@ -307,7 +420,7 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
             f"{path}/model.safetensors does not match the model: missing {sorted(missing)}, "
             f"unexpected {sorted(unexpected)}"
         )
-    state = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    state = read_optimizer(path / "optimizer.pt", device)
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError) as exc:
@@ -378,7 +491,7 @@ def full_optimizer_state(optimizer: Any) -> dict[str, Any]:
 
 def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
     """Load full-tensor checkpoint files into a sharded model and its optimizer."""
-    tensors = load_file(str(path / "model.safetensors"), device="cpu")
+    tensors = read_tensors(path / "model.safetensors", "cpu")
     for alias, name in tied_aliases(model).items():
         if name in tensors:
             tensors[alias] = tensors[name]
@@ -386,7 +499,7 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: Any) -> None:
         set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise KilnError(f"{path}/model.safetensors does not match the model: {exc}") from None
-    state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    state = read_optimizer(path / "optimizer.pt", "cpu")
     try:
         for opt, saved in zip(optimizer, state["optimizers"], strict=True):
             params = [p for g in opt.param_groups for p in g["params"]]

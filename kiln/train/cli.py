@@ -89,7 +89,7 @@ def _register_export(sub: Any) -> None:
         metavar="PATH",
         help="tokenizer file (default: the one the run's dataset manifest names)",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing DIR")
+    p.add_argument("--force", action="store_true", help="replace a DIR an earlier export wrote")
     p.set_defaults(handler=run_export)
 
 
@@ -191,10 +191,14 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
         say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"
     val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    last = f"loss {result.losses[-1]:.4f}" if result.losses else "nothing to do"
+    if result.losses:
+        last = f"loss {result.losses[-1]:.4f}"
+    else:
+        last = f"nothing to do (train.max_steps = {c.train.max_steps:,} already reached)"
     say(
         f"kiln train: step {result.step:,} ({result.tokens:,} tokens) in {elapsed:.1f} s: "
-        f"{last}{val}; checkpoint {result.checkpoint}; metrics in {run_dir / 'metrics.jsonl'}"
+        f"{last}{val}; {_checkpoint_note(result, trainer)}; "
+        f"metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
 
@@ -207,6 +211,14 @@ def _length(cfg: Any) -> str:
 
     cap = f" (at most {cfg.train.max_steps:,} steps)" if cfg.train.max_steps else ""
     return f"a time budget of {format_seconds(cfg.train.budget_seconds)} of training{cap}"
+
+
+def _checkpoint_note(result: Any, trainer: Any) -> str:
+    """Which checkpoint holds the result: the one saved now, else the one resumed from."""
+    from kiln.train.checkpoint import latest_checkpoint
+
+    path = result.checkpoint or latest_checkpoint(trainer.checkpoints)
+    return f"checkpoint {path}" if path is not None else "no checkpoint saved"
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.io import check_can_write, write_json_atomic
+from kiln.io import check_can_replace_dir, write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
 
@@ -91,7 +91,7 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     from kiln.model.hf import config_to_hf, save_hf_dir
 
     out = Path(out)
-    check_can_write(out, force)
+    check_can_replace_dir(out, force, is_export_dir, "a kiln export (no kiln_export.json)")
     model, tok, tok_path, eos_token = (
         source.model, source.tokenizer, source.tokenizer_path, source.eos_token
     )  # fmt: skip
@@ -125,6 +125,11 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
         out=out, checkpoint=source.checkpoint, step=source.step, tokens=source.tokens,
         model_type=model_type, tokenizer=tok_path, eos_token=eos_token, eos_id=eos_id,
     )  # fmt: skip
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` is an HF directory `kiln export` wrote (the only kind --force replaces)."""
+    return (path / "kiln_export.json").is_file()
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kiln.io import atomic_write, kill_point
+
 
 def peak_flops(device_name: str | None) -> float | None:
     """Peak dense bf16 FLOP/s of a device by its name, or None when it is not in the table."""
@@ -61,15 +63,25 @@ class MetricsLog:
             handle.write(line + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after `step`: a resumed run rewrites them from its checkpoint."""
+        """Drop records of steps after `step`: a resumed run rewrites them from its checkpoint.
+
+        The file is never rewritten in place: when nothing is to be dropped it is left alone,
+        otherwise the kept lines go to a temporary file that replaces it atomically, so a kill
+        at any moment leaves either the old history or the truncated one.
+        """
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)  # the temp file of a truncation that was killed
         if not self.path.is_file():
             return
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and _step_of(line) <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        text = self.path.read_text(encoding="utf-8")
+        lines = [line for line in text.splitlines() if line.strip()]
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) == len(lines) and (not text or text.endswith("\n")):
+            return
+        with atomic_write(self.path) as handle:
+            handle.write("".join(line + "\n" for line in kept))
+            handle.flush()
+            kill_point("metrics:before-rename")
 
     def read(self) -> list[dict[str, Any]]:
         """Every record in the file."""

@@ -129,6 +129,8 @@ class Trainer:
         self.sampler = self._build_sampler()  # bad sample prompts fail before the run dir exists
         saved = self._find_resume_point(resume)
         self.precision = self._choose_precision(saved)
+        if self.dist.is_main:  # what a killed run left: temp/trash folders, an unfinished prune
+            self.notes += ckpt.tidy(self.checkpoints, cfg.checkpoint.keep_last if saved else None)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster
             torch.backends.cuda.matmul.allow_tf32 = True

@@ -109,11 +109,16 @@ def test_export_refuses_an_existing_directory_unless_forced(
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["export", str(run), "--hf", str(out)]) == 2
-    assert "already exists; pass --force" in capsys.readouterr().err
+    assert "already exists and is not empty; pass --force" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces only a folder kiln export wrote, never a user's directory.
+    assert main(["export", str(run), "--hf", str(out), "--force"]) == 2
+    assert "is not a kiln export" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
 
+    (out / "keep.txt").unlink()
+    assert main(["export", str(run), "--hf", str(out), "--step", "4"]) == 0  # empty: fine
     assert main(["export", str(run), "--hf", str(out), "--step", "2", "--force"]) == 0
-    assert not (out / "keep.txt").exists()
     assert json.loads((out / "kiln_export.json").read_text())["step"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
 

@@ -43,3 +43,18 @@ def test_metrics_log_writes_null_for_nonfinite_and_truncates(tmp_path: Path) -> 
     records = log.read()
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["loss"] is None
+
+
+def test_truncate_leaves_the_file_alone_unless_it_drops_something(tmp_path: Path) -> None:
+    """A resume must never rewrite the history in place (a kill then would lose it)."""
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 4):
+        log.write({"step": step, "loss": 1.0})
+    before = log.path.stat()
+    log.truncate_after(3)  # nothing after step 3: not rewritten at all
+    after = log.path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    log.truncate_after(2)  # a new file renamed over the old one, never the old one emptied
+    assert log.path.stat().st_ino != before.st_ino
+    assert [r["step"] for r in log.read()] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
