@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from kiln.cli import add_command_group, add_subcommand
@@ -149,6 +150,19 @@ def run_tokenize(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     manifest = tokenize_to_shards(config)
+    for src in manifest.sources:
+        if src.invalid_utf8_documents:
+            print(
+                f"warning: {src.path}: invalid UTF-8 in {src.invalid_utf8_documents} document(s) "
+                f"replaced with U+FFFD (first at {src.invalid_utf8_first})",
+                file=sys.stderr,
+            )
+        if src.inline_separators:
+            print(
+                f"note: {src.path}: {src.inline_separators} {config.eot_token} inside documents "
+                "(not on a line of their own) kept as ordinary text",
+                file=sys.stderr,
+            )
     for name, split in manifest.splits.items():
         print(
             f"{name}: {split.tokens:,} tokens, {split.documents:,} documents, "
@@ -212,7 +226,12 @@ def run_inspect(args: argparse.Namespace) -> int:
             if src.invalid_utf8_documents
             else ""
         )
-        print(f"  {src.path}: {per_split}{dropped}{repaired}")
+        inline = (
+            f"; {src.inline_separators} {m.tokenizer.eot_token} inside documents kept as text"
+            if src.inline_separators
+            else ""
+        )
+        print(f"  {src.path}: {per_split}{dropped}{repaired}{inline}")
     if args.token is not None:
         from kiln.data.pipeline.audit import explain_token
 

@@ -52,6 +52,8 @@ class SourceEntry:
     tokens: dict[str, int] = field(default_factory=dict)
     empty_skipped: int = 0
     invalid_utf8_documents: int = 0
+    inline_separators: int = 0  # end-of-text text inside a .txt document, kept as ordinary text
+    invalid_utf8_first: str = ""  # where the first invalid UTF-8 was ("byte offset N")
 
 
 @dataclass(frozen=True)

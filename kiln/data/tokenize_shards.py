@@ -265,6 +265,8 @@ def _source_entry(path: str, tally: _SourceTally) -> SourceEntry:
         tokens=tally.tokens,
         empty_skipped=tally.counts.empty_skipped,
         invalid_utf8_documents=tally.counts.invalid_utf8_documents,
+        inline_separators=tally.counts.inline_separators,
+        invalid_utf8_first=tally.counts.invalid_utf8_first,
     )
 
 
