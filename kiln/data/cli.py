@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from kiln.cli import add_command_group, add_subcommand
+from kiln.data.procs import sigterm_as_interrupt
 from kiln.errors import KilnError
 
 _EXAMPLES = {
@@ -87,7 +88,8 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    manifest = run_pipeline(cfg, opts)
+    with sigterm_as_interrupt():  # a killed run stops its workers; the next run resumes
+        manifest = run_pipeline(cfg, opts)
     print(format_funnel(manifest))
     return 0
 
@@ -149,7 +151,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    manifest = tokenize_to_shards(config)
+    with sigterm_as_interrupt():  # stops the workers and removes the unfinished dataset
+        manifest = tokenize_to_shards(config)
     for src in manifest.sources:
         if src.invalid_utf8_documents:
             print(

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kiln import __version__
 from kiln.data.documents import SourceCounts, iter_documents
 from kiln.data.manifest import MANIFEST_NAME, Manifest, SourceEntry, TokenizerEntry
+from kiln.data.procs import stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
@@ -318,7 +319,10 @@ def _encode_all(
             for batch in batches:
                 write(batch, *encode_documents(tok, batch.texts, eot_id, dtype, threads=workers))
             return
-        with ProcessPoolExecutor(workers, mp_context=_pool_context()) as pool:
+        pool = ProcessPoolExecutor(
+            workers, mp_context=_pool_context(), initializer=worker_init, initargs=(os.getpid(),)
+        )
+        try:
             # A bounded queue of batches in flight keeps memory flat and output in input order.
             pending: deque[tuple[_Batch, Future[tuple[np.ndarray, np.ndarray]]]] = deque()
             for batch in batches:
@@ -330,5 +334,9 @@ def _encode_all(
             while pending:
                 done, fut = pending.popleft()
                 write(done, *fut.result())
+        except BaseException:
+            stop_pool(pool)  # don't wait for batches whose output is discarded anyway
+            raise
+        pool.shutdown()
     finally:
         bar.close()
