@@ -190,7 +190,12 @@ def _add_inspect(commands: Any) -> None:
     p.add_argument("--split", default="train", help="split of the sample document (default train)")
     p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
     p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
-    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every file's sha256 (default: yes, unless KILN_VERIFY_SHARDS=0)",
+    )
     p.add_argument(
         "--token",
         type=int,
