@@ -103,8 +103,8 @@ def _add_tokenize(commands: Any) -> None:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help=".txt files (documents separated by the end-of-text token) or .jsonl files, "
-        "maybe .gz/.zst/.bz2",
+        help=".txt files (a document ends at a line holding only the end-of-text token; the "
+        "token inside a line is text) or .jsonl files, maybe .gz/.zst/.bz2",
     )
     p.add_argument("--tokenizer", required=True, metavar="TOK.json", help="kiln tokenizer file")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")

@@ -105,6 +105,7 @@ def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool
                 f"{out} was made by a different pipeline config; pass --force to rebuild it "
                 f"(the old dataset is replaced only when the new one is complete)"
             )
+    _check_inputs(cfg)  # before anything is written: a typo must not leave a run behind
     if partial.exists():
         found = _read_digest(partial)
         if found is None and any(partial.iterdir()):
@@ -303,7 +304,6 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         raise KilnError("no output directory: give --out or `output` in the config")
     out = Path(out_text)
     partial = out.with_name(out.name + ".partial")
-    _check_inputs(cfg)  # before anything is written: a typo must not leave a run behind
     if _prepare(out, partial, cfg, opts.force):
         _log(f"{out} is already complete for this config; nothing to do", opts.progress)
         return Manifest.read(out)
