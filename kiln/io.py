@@ -49,32 +49,102 @@ def decompressing_reader(raw: IO[bytes], name: str) -> IO[bytes]:
     """Wrap an open raw file in the decompressor its name calls for; closing it closes `raw`.
 
     Callers that show progress keep `raw` and read its position: that is the on-disk offset,
-    which is what a progress bar's total (the file size) is measured in.
+    which is what a progress bar's total (the file size) is measured in. A corrupt or truncated
+    compressed file raises one KilnError naming it (at the read that meets the damage).
     """
+    inner: IO[bytes]
     if name.endswith(".gz"):
-        return _closing_wrapper(gzip.GzipFile(fileobj=raw, mode="rb"), raw)
-    if name.endswith(".bz2"):
-        return _closing_wrapper(bz2.BZ2File(raw, "rb"), raw)
-    if name.endswith(".zst"):
+        inner = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif name.endswith(".bz2"):
+        inner = bz2.BZ2File(raw, "rb")
+    elif name.endswith(".zst"):
+        inner = _ZstdFrames(raw)
+    else:
+        return raw
+    return io.BufferedReader(_CheckedDecompression(inner, raw, name), buffer_size=_READ_BYTES)
+
+
+_READ_BYTES = 1 << 16
+
+
+class _CheckedDecompression(io.RawIOBase):
+    """A decompressing stream whose decoder errors become one KilnError naming the file."""
+
+    def __init__(self, inner: IO[bytes], raw: IO[bytes], name: str) -> None:
+        self._inner, self._raw, self._name = inner, raw, name
+        self._done = 0  # decompressed bytes handed out so far
+
+    def readable(self) -> bool:
+        """Always readable."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Fill `buffer` with decompressed bytes; damage in the file is a KilnError."""
+        try:
+            n = self._inner.readinto(buffer)  # type: ignore[attr-defined]
+        except Exception as exc:  # gzip, bz2 and zstd each raise their own types
+            raise KilnError(
+                f"{self._name}: corrupt or truncated compressed file (after {self._done:,} "
+                f"decompressed bytes): {exc}"
+            ) from None
+        self._done += n or 0
+        return n
+
+    def close(self) -> None:
+        """Close the decoder and the file under it."""
+        if not self.closed:
+            try:
+                self._inner.close()
+            finally:
+                self._raw.close()
+        super().close()
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Zstandard frames decoded one after another; a file ending inside a frame is an error
+    (zstandard's own stream reader returns the bytes so far and stops silently)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader)  # adds line iteration, which the raw reader lacks
-    return raw
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj: Any = None
+        self._pending = b""  # compressed bytes after a finished frame
+        self._out = memoryview(b"")
+        self._eof = False
 
+    def readable(self) -> bool:
+        """Always readable."""
+        return True
 
-def _closing_wrapper(handle: IO[bytes], raw: IO[bytes]) -> IO[bytes]:
-    """Make closing `handle` also close `raw` (GzipFile/BZ2File leave a passed fileobj open)."""
-    original_close = handle.close
+    def readinto(self, buffer: Any) -> int:
+        """Fill `buffer` with decompressed bytes (0 at the end of the last frame)."""
+        while not self._out and not self._eof:
+            self._decode_more()
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
 
-    def close() -> None:
-        try:
-            original_close()
-        finally:
-            raw.close()
+    def _decode_more(self) -> None:
+        data, self._pending = (self._pending or self._raw.read(_READ_BYTES)), b""
+        if not data:
+            if self._obj is not None and not self._obj.eof:
+                raise EOFError("the file ends inside a zstd frame")
+            self._eof = True
+            return
+        if self._obj is None or self._obj.eof:
+            self._obj = self._dctx.decompressobj()
+        self._out = memoryview(self._obj.decompress(data))
+        if self._obj.eof:
+            self._pending = self._obj.unused_data
 
-    handle.close = close  # type: ignore[method-assign]
-    return handle
+    def close(self) -> None:
+        """Close the file under it."""
+        if not self.closed:
+            self._raw.close()
+        super().close()
 
 
 def iter_jsonl_texts(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from kiln.commands import add_command_group, add_subcommand
+from kiln.data.procs import sigterm_as_interrupt
 from kiln.errors import KilnError
 from kiln.tokenizer.special import EOT
 
@@ -87,7 +89,8 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    manifest = run_pipeline(cfg, opts)
+    with sigterm_as_interrupt():  # a killed run stops its workers; the next run resumes
+        manifest = run_pipeline(cfg, opts)
     print(format_funnel(manifest))
     return 0
 
@@ -101,8 +104,8 @@ def _add_tokenize(commands: Any) -> None:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help=".txt files (documents separated by the end-of-text token) or .jsonl files, "
-        "maybe .gz/.zst/.bz2",
+        help=".txt files (a document ends at a line holding only the end-of-text token; the "
+        "token inside a line is text) or .jsonl files, maybe .gz/.zst/.bz2",
     )
     p.add_argument("--tokenizer", required=True, metavar="TOK.json", help="kiln tokenizer file")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
@@ -147,7 +150,21 @@ def run_tokenize(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    manifest = tokenize_to_shards(config)
+    with sigterm_as_interrupt():  # stops the workers and removes the unfinished dataset
+        manifest = tokenize_to_shards(config)
+    for src in manifest.sources:
+        if src.invalid_utf8_documents:
+            print(
+                f"warning: {src.path}: invalid UTF-8 in {src.invalid_utf8_documents} document(s) "
+                f"replaced with U+FFFD (first at {src.invalid_utf8_first})",
+                file=sys.stderr,
+            )
+        if src.inline_separators:
+            print(
+                f"note: {src.path}: {src.inline_separators} {config.eot_token} inside documents "
+                "(not on a line of their own) kept as ordinary text",
+                file=sys.stderr,
+            )
     for name, split in manifest.splits.items():
         print(
             f"{name}: {split.tokens:,} tokens, {split.documents:,} documents, "
@@ -172,7 +189,12 @@ def _add_inspect(commands: Any) -> None:
     p.add_argument("--split", default="train", help="split of the sample document (default train)")
     p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
     p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
-    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every file's sha256 (default: yes, unless KILN_VERIFY_SHARDS=0)",
+    )
     p.add_argument(
         "--token",
         type=int,
@@ -211,7 +233,12 @@ def run_inspect(args: argparse.Namespace) -> int:
             if src.invalid_utf8_documents
             else ""
         )
-        print(f"  {src.path}: {per_split}{dropped}{repaired}")
+        inline = (
+            f"; {src.inline_separators} {m.tokenizer.eot_token} inside documents kept as text"
+            if src.inline_separators
+            else ""
+        )
+        print(f"  {src.path}: {per_split}{dropped}{repaired}{inline}")
     if args.token is not None:
         from kiln.data.pipeline.audit import explain_token
 

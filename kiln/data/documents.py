@@ -1,6 +1,7 @@
-"""Documents from input files: `.txt` split on the end-of-text token, `.jsonl` one per record.
+"""Documents from input files: `.txt` split on end-of-text lines, `.jsonl` one per record.
 
-A document is stripped of surrounding whitespace (the separator usually sits on its own line);
+A `.txt` document ends at a line holding only the end-of-text token; the token inside a line is
+ordinary text (counted). A document is stripped of surrounding whitespace;
 empty documents are skipped and counted, and invalid UTF-8 is replaced with U+FFFD and counted,
 so nothing is dropped or altered silently.
 """
@@ -10,10 +11,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from kiln.errors import KilnError
 from kiln.io import iter_jsonl_texts, open_binary, strip_compression
-
-_BLOCK_BYTES = 1 << 20
 
 
 @dataclass
@@ -23,6 +24,8 @@ class SourceCounts:
     documents: int = 0
     empty_skipped: int = 0
     invalid_utf8_documents: int = 0
+    inline_separators: int = 0  # separator text inside a document, kept as ordinary text
+    invalid_utf8_first: str = ""  # where the first invalid UTF-8 was: "byte offset N"
 
 
 def is_jsonl(path: str | os.PathLike[str]) -> bool:
@@ -30,30 +33,54 @@ def is_jsonl(path: str | os.PathLike[str]) -> bool:
     return strip_compression(path).endswith(".jsonl")
 
 
-def iter_raw_text_documents(path: str, separator: bytes) -> Iterator[bytes]:
-    """Yield the byte spans between separators of a (possibly compressed) text file."""
-    carry = bytearray()
+class TextSpan(NamedTuple):
+    """One document's bytes in a text file, where they start, and separators inside them."""
+
+    data: bytes
+    offset: int  # decompressed byte offset of data[0] in the file
+    inline: int  # separator text inside the document, kept as ordinary text
+
+
+def iter_text_documents(path: str, separator: bytes) -> Iterator[TextSpan]:
+    """Yield each span between separator lines of a (possibly compressed) text file.
+
+    A separator is a line holding only the separator (surrounding whitespace allowed); the
+    separator anywhere else is ordinary text of the document, counted in `inline`.
+    """
+    if not separator.strip() or b"\n" in separator:
+        raise KilnError(f"{path}: the document separator must be one non-blank line of text")
+    doc, start, offset, inline = bytearray(), 0, 0, 0
+    longest = len(separator) + 64  # a separator line with some surrounding whitespace
     with open_binary(path) as handle:
-        while block := handle.read(_BLOCK_BYTES):
-            # Only the new bytes (and a separator's width before them) can hold a new separator,
-            # so a long document costs linear time, not quadratic.
-            start = max(0, len(carry) - len(separator) + 1)
-            carry += block
-            if carry.find(separator, start) < 0:
+        for line in handle:
+            offset += len(line)
+            if len(line) <= longest and line.strip() == separator:
+                yield TextSpan(bytes(doc), start, inline)
+                doc, start, inline = bytearray(), offset, 0
                 continue
-            *parts, rest = bytes(carry).split(separator)
-            carry = bytearray(rest)
-            yield from parts
-    if carry.strip():  # the usual newline after the last separator is not an empty document
-        yield bytes(carry)
+            if separator in line:
+                inline += line.count(separator)
+            doc += line
+    if doc.strip():  # the usual newline after the last separator is not an empty document
+        yield TextSpan(bytes(doc), start, inline)
 
 
-def _decode(raw: bytes, counts: SourceCounts) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        counts.invalid_utf8_documents += 1
-        return raw.decode("utf-8", errors="replace")
+def iter_raw_text_documents(path: str, separator: bytes) -> Iterator[bytes]:
+    """Yield the byte spans between separator lines of a (possibly compressed) text file."""
+    for span in iter_text_documents(path, separator):
+        yield span.data
+
+
+def _decoded_texts(path: str, separator: bytes, counts: SourceCounts) -> Iterator[str]:
+    for span in iter_text_documents(path, separator):
+        counts.inline_separators += span.inline
+        try:
+            yield span.data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            counts.invalid_utf8_documents += 1
+            if not counts.invalid_utf8_first:
+                counts.invalid_utf8_first = f"byte offset {span.offset + exc.start}"
+            yield span.data.decode("utf-8", errors="replace")
 
 
 def iter_documents(
@@ -64,8 +91,7 @@ def iter_documents(
     if is_jsonl(path):
         texts: Iterator[str] = iter_jsonl_texts(path, text_field)
     else:
-        raw_docs = iter_raw_text_documents(path, eot_token.encode("utf-8"))
-        texts = (_decode(raw, counts) for raw in raw_docs)
+        texts = _decoded_texts(path, eot_token.encode("utf-8"), counts)
     for text in texts:
         doc = text.strip()
         if not doc:

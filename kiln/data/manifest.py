@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,16 @@ MANIFEST_FORMAT = "kiln-shards"
 MANIFEST_VERSION = 1
 
 
+def creation_time() -> str:
+    """The manifest's `created` stamp: now (UTC), or SOURCE_DATE_EPOCH when that is set, so
+    rebuilding the same inputs can give byte-identical manifests too."""
+    from datetime import UTC, datetime
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    when = datetime.fromtimestamp(int(epoch), UTC) if epoch.isdigit() else datetime.now(UTC)
+    return when.isoformat(timespec="seconds")
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     """One shard of a split: file stem (`train_000000`), counts and checksums of both files."""
@@ -24,6 +35,7 @@ class ShardEntry:
     documents: int
     sha256: str
     idx_sha256: str
+    max_id: int | None = None  # the largest token id; None (older manifests): scan to find it
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class SourceEntry:
     tokens: dict[str, int] = field(default_factory=dict)
     empty_skipped: int = 0
     invalid_utf8_documents: int = 0
+    inline_separators: int = 0  # end-of-text text inside a .txt document, kept as ordinary text
+    invalid_utf8_first: str = ""  # where the first invalid UTF-8 was ("byte offset N")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,17 @@ class Shard:
         return int(self.sources.shape[0])
 
 
-def _open_shard(root: Path, entry: ShardEntry, dtype: np.dtype, verify: bool) -> Shard:
+VERIFY_ENV = "KILN_VERIFY_SHARDS"  # "0" skips the sha256 check of every shard at opening
+
+
+def verify_by_default() -> bool:
+    """Whether `Dataset.open` checks sha256s when not told: yes, unless KILN_VERIFY_SHARDS=0."""
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _open_shard(
+    root: Path, entry: ShardEntry, dtype: np.dtype, verify: bool, vocab_size: int
+) -> Shard:
     bin_path, idx_path = root / f"{entry.name}.bin", root / f"{entry.name}.idx"
     header = read_bin_header(bin_path)
     if header.dtype != dtype:
@@ -56,9 +66,23 @@ def _open_shard(root: Path, entry: ShardEntry, dtype: np.dtype, verify: bool) ->
     if verify:
         for path, expected in ((bin_path, entry.sha256), (idx_path, entry.idx_sha256)):
             if sha256_file(path) != expected:
-                raise KilnError(f"{path}: sha256 differs from the manifest's; the file changed")
+                raise KilnError(
+                    f"{path}: sha256 differs from the manifest's; the file changed or is corrupt "
+                    f"(re-create the dataset)"
+                )
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(entry.tokens,))
+    # The writer records the largest id; a manifest without it (older kiln) costs one scan.
+    max_id = entry.max_id if entry.max_id is not None else _scan_max(tokens)
+    if max_id >= vocab_size:
+        raise KilnError(
+            f"{bin_path}: holds token id {max_id}, outside the tokenizer's vocabulary of "
+            f"{vocab_size}; the shard is corrupt or from another tokenizer"
+        )
     return Shard(bin_path, tokens, offsets, sources)
+
+
+def _scan_max(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 
 
 class Split:
@@ -134,11 +158,15 @@ class Dataset:
         cls,
         root: str | os.PathLike[str],
         tokenizer: str | os.PathLike[str] | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
     ) -> Dataset:
-        """Open `root`, checking the manifest, every shard header and index, and (when given)
-        that `tokenizer` is the file the shards were encoded with; `verify` also checks sha256s.
+        """Open `root`, checking the manifest, every shard header, index and id range, and (when
+        given) that `tokenizer` is the file the shards were encoded with.
+
+        `verify` also checks every file's sha256 (so in-range corruption is caught before it is
+        trained on); by default it does, unless the environment sets KILN_VERIFY_SHARDS=0.
         """
+        verify = verify_by_default() if verify is None else verify
         root = Path(root)
         manifest = Manifest.read(root)
         if tokenizer is not None:
@@ -154,7 +182,8 @@ class Dataset:
         sources = [s.path for s in manifest.sources]
         splits = {}
         for name, entry in manifest.splits.items():
-            shards = [_open_shard(root, s, dtype, verify) for s in entry.shards]
+            vocab = manifest.tokenizer.vocab_size
+            shards = [_open_shard(root, s, dtype, verify, vocab) for s in entry.shards]
             for shard in shards:
                 if shard.n_documents and int(shard.sources.max()) >= len(sources):
                     raise KilnError(f"{shard.path}: source index beyond the manifest's sources")

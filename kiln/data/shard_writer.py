@@ -29,6 +29,7 @@ class ShardWriter:
         self._handle: BinaryIO | None = None
         self._offsets = array("q", [0])
         self._sources = array("i")
+        self._max_id = -1
 
     def add(self, tokens: np.ndarray, source: int) -> None:
         """Append one document (its tokens already end with end-of-text) from input `source`."""
@@ -39,6 +40,8 @@ class ShardWriter:
             self._start_shard()
         assert self._handle is not None
         self._handle.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        if n:
+            self._max_id = max(self._max_id, int(tokens.max()))
         self._offsets.append(self._offsets[-1] + n)
         self._sources.append(source)
 
@@ -63,6 +66,7 @@ class ShardWriter:
         self._handle.write(pack_bin_header(self.dtype, 0))
         self._offsets = array("q", [0])
         self._sources = array("i")
+        self._max_id = -1
 
     def _finish_shard(self) -> None:
         assert self._handle is not None
@@ -83,5 +87,6 @@ class ShardWriter:
                 documents=n_docs,
                 sha256=sha256_file(bin_path),
                 idx_sha256=sha256_file(idx_path),
+                max_id=self._max_id,
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -18,7 +19,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from kiln import __version__
 from kiln.data.documents import SourceCounts, iter_documents
-from kiln.data.manifest import MANIFEST_NAME, Manifest, SourceEntry, TokenizerEntry
+from kiln.data.manifest import MANIFEST_NAME, Manifest, SourceEntry, TokenizerEntry, creation_time
+from kiln.data.procs import stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
@@ -206,6 +207,28 @@ def _check_output(out: Path, force: bool) -> None:
         raise KilnError(f"{out} exists and is not a directory")
 
 
+def remove_abandoned_builds(out: Path) -> list[Path]:
+    """Delete `.<out>.<pid>.*.tmp` build folders whose process is gone (killed mid-build)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.[^.]+\.tmp")
+    removed = []
+    for path in out.parent.glob(f".{out.name}.*.tmp"):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def install_dataset(tmp: Path, out: Path) -> None:
     """Move the finished dataset into place; an old one is renamed away, then deleted."""
     if not out.exists():
@@ -234,7 +257,13 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
     val_index = np.sort(np.random.default_rng(config.seed).choice(total, n_val, replace=False))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    remove_abandoned_builds(out)
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent)
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the dataset gets a plain mkdir's mode
     writers: dict[str, ShardWriter] = {}
     try:
         tallies = [_SourceTally() for _ in config.inputs]
@@ -246,7 +275,7 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
             splits={s: w.close() for s, w in writers.items()},
             sources=tuple(_source_entry(p, t) for p, t in zip(config.inputs, tallies, strict=True)),
             config={**asdict(config), "inputs": [os.path.abspath(p) for p in config.inputs]},
-            created=datetime.now(UTC).isoformat(timespec="seconds"),
+            created=creation_time(),
             kiln_version=__version__,
         )
         manifest.write(tmp)
@@ -266,6 +295,8 @@ def _source_entry(path: str, tally: _SourceTally) -> SourceEntry:
         tokens=tally.tokens,
         empty_skipped=tally.counts.empty_skipped,
         invalid_utf8_documents=tally.counts.invalid_utf8_documents,
+        inline_separators=tally.counts.inline_separators,
+        invalid_utf8_first=tally.counts.invalid_utf8_first,
     )
 
 
@@ -317,7 +348,10 @@ def _encode_all(
             for batch in batches:
                 write(batch, *encode_documents(tok, batch.texts, eot_id, dtype, threads=workers))
             return
-        with ProcessPoolExecutor(workers, mp_context=_pool_context()) as pool:
+        pool = ProcessPoolExecutor(
+            workers, mp_context=_pool_context(), initializer=worker_init, initargs=(os.getpid(),)
+        )
+        try:
             # A bounded queue of batches in flight keeps memory flat and output in input order.
             pending: deque[tuple[_Batch, Future[tuple[np.ndarray, np.ndarray]]]] = deque()
             for batch in batches:
@@ -329,5 +363,9 @@ def _encode_all(
             while pending:
                 done, fut = pending.popleft()
                 write(done, *fut.result())
+        except BaseException:
+            stop_pool(pool)  # don't wait for batches whose output is discarded anyway
+            raise
+        pool.shutdown()
     finally:
         bar.close()

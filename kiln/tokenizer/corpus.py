@@ -127,6 +127,8 @@ def _iter_file_segments(
         while True:
             try:
                 block = handle.read(block_bytes)
+            except KilnError:  # kiln.io already named the file and the damage
+                raise
             except Exception as exc:  # gzip/bz2/zstd each raise their own types
                 raise KilnError(
                     f"{path}: corrupt or truncated compressed file (after {offset + len(buf):,} "

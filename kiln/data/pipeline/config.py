@@ -202,6 +202,8 @@ def expand_sources(cfg: PipelineConfig) -> list[InputFile]:
             matched.extend(h for h in hits if os.path.isfile(h))
         seen: set[str] = set()
         unique = [p for p in matched if not (p in seen or seen.add(p))]
+        if not unique:
+            raise KilnError(f"sources[{spec.name!r}]: {', '.join(spec.paths)} match no file")
         common = os.path.commonpath(unique) if len(unique) > 1 else os.path.dirname(unique[0])
         for p in unique:
             fmt = detect_format(p) if spec.format == "auto" else spec.format

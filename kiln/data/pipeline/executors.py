@@ -8,6 +8,7 @@ does not depend on which executor ran them or in what order they finished.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from kiln.data.procs import stop_pool, worker_init
 from kiln.errors import KilnError
 
 
@@ -90,7 +92,10 @@ class LocalExecutor:
                 if sys.platform == "linux"
                 else multiprocessing.get_context("spawn")
             )
-            with ProcessPoolExecutor(self.workers, mp_context=context) as pool:
+            pool = ProcessPoolExecutor(
+                self.workers, mp_context=context, initializer=worker_init, initargs=(os.getpid(),)
+            )
+            try:
                 futures: dict[Future[Any], int] = {
                     pool.submit(fn, task): i for i, task in enumerate(tasks)
                 }
@@ -100,6 +105,12 @@ class LocalExecutor:
                     for fut in sorted(done, key=futures.__getitem__):
                         bar.done(futures[fut])
                         yield futures[fut], fut.result()
+            except BaseException:
+                # Interrupted, failed, or abandoned by the caller: tasks not yet finished are
+                # redone by the next run (only finished ones leave markers), so stop now.
+                stop_pool(pool)
+                raise
+            pool.shutdown()
 
     def close(self) -> None:
         """Nothing to release: pools live only inside `map`."""

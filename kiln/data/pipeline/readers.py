@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from kiln.data.documents import iter_raw_text_documents
+from kiln.data.documents import iter_raw_text_documents, iter_text_documents
 from kiln.data.pipeline import warc
 from kiln.data.pipeline.document import Document
 from kiln.errors import KilnError
@@ -43,6 +43,7 @@ _EXTENSIONS = {
     ".wet": "warc",
 }
 MAX_EXAMPLES = 20
+INLINE_SEPARATOR = "separator inside a document"
 _PARQUET_BATCH_ROWS = 1024
 _CHUNK = 1 << 20
 
@@ -200,15 +201,18 @@ def count_records(
 
 
 def _iter_txt(path: str, sep: bytes, issues: ReadIssues, span: _Range) -> Iterator[Document | None]:
-    sep_newlines = sep.count(b"\n")
     line = 1
     ordinal = 0
-    for part in iter_raw_text_documents(path, sep):
+    for part, _, inline in iter_text_documents(path, sep):
         if span.done(ordinal):
             return
         if span.wants(ordinal):
+            if inline:
+                # Not a separator line, so not a cut: the text stays, encoded as ordinary bytes.
+                detail = f"{inline} kept as text"
+                issues.add(path, line, INLINE_SEPARATOR, detail, record=ordinal)
             yield _txt_document(path, part, line, ordinal, issues)
-        line += part.count(b"\n") + sep_newlines
+        line += part.count(b"\n") + 1  # the document's lines and the separator line
         ordinal += 1
     if ordinal == 0 and span.owns_eof(0):
         issues.add(path, None, "empty file")

@@ -46,6 +46,7 @@ from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
 
 RUN_FILE = "run.json"
+PLAN_FILE = "plan.json"
 PIPELINE_DIR = "pipeline"
 
 
@@ -104,11 +105,15 @@ def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool
                 f"{out} was made by a different pipeline config; pass --force to rebuild it "
                 f"(the old dataset is replaced only when the new one is complete)"
             )
+    _check_inputs(cfg)  # before anything is written: a typo must not leave a run behind
     if partial.exists():
         found = _read_digest(partial)
         if found is None and any(partial.iterdir()):
             raise KilnError(f"{partial} exists and is not an unfinished `kiln data run`; move it")
-        if found is not None and found != digest:
+        if found is not None and found != digest and not (partial / "work" / PLAN_FILE).is_file():
+            # It never planned a task (say, a source path matched nothing): nothing to keep.
+            shutil.rmtree(partial)
+        elif found is not None and found != digest:
             if not force:
                 raise KilnError(
                     f"{partial} holds an unfinished run of a different config; pass --force to "
@@ -124,6 +129,14 @@ def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool
             encoding="utf-8",
         )
     return False
+
+
+def _check_inputs(cfg: PipelineConfig) -> None:
+    """Every source matches files, and the tokenizer loads (evaluation files: at config load)."""
+    from kiln.data.tokenize_shards import load_tokenizer_entry
+
+    expand_sources(cfg)
+    load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
 
 
 def _count_task(file: InputFile, spec_args: dict[str, Any]) -> int:
@@ -150,7 +163,7 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
     """Split every input file into tasks of `docs_per_task` records (counts kept in plan.json)."""
     files = expand_sources(cfg)
     identity = [_file_identity(f.path) for f in files]
-    plan_path = work / "plan.json"
+    plan_path = work / PLAN_FILE
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
         if plan.get("identity") != identity:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kiln import __version__
 from kiln import config as cfgio
-from kiln.data.manifest import Manifest, SourceEntry
+from kiln.data.manifest import Manifest, SourceEntry, creation_time
 from kiln.data.pipeline.config import PipelineConfig
 from kiln.data.pipeline.records import hash64, write_records
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
@@ -113,7 +113,7 @@ def write_dataset(
             for name, c in per_source.items()
         ),
         config=cfgio.to_dict(cfg),
-        created=_now(),
+        created=creation_time(),
         kiln_version=__version__,
         pipeline={
             "digest": stats["digest"],
@@ -137,9 +137,3 @@ def _write_report(out: Path, stats: dict[str, Any]) -> None:
     except ImportError:  # the HTML report is optional; stats.json holds every number
         return
     write_report(out / "pipeline" / "report.html", stats)
-
-
-def _now() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")

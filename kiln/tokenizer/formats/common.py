@@ -119,6 +119,30 @@ def check_specials(path: PathLike, specials: Mapping[str, int], vocab: Mapping[i
         owner[i] = name
 
 
+# Special ids may leave a gap above the regular ones (reserved ranges, ids padded past 65,535 to
+# test wide shards), but not an unbounded one: every id up to the largest costs a table entry.
+MAX_ID_GAP = 1 << 17
+
+
+def check_id_range(path: PathLike, vocab: Mapping[int, bytes], specials: Mapping[str, int]) -> None:
+    """Every id is >= 0 and below the vocabulary's size plus MAX_ID_GAP."""
+    limit = len(vocab) + len(specials) + MAX_ID_GAP
+    for name, i in specials.items():
+        if not 0 <= i < limit:
+            raise KilnError(
+                f"{os.fspath(path)}: special token {name!r} has id {i:,}, far outside a vocabulary "
+                f"of {len(vocab):,} regular and {len(specials)} special tokens (ids must be in "
+                f"[0, {limit:,}))"
+            )
+    top = max(vocab, default=-1)
+    if top >= limit or min(vocab, default=0) < 0:
+        bad = top if top >= limit else min(vocab)
+        raise KilnError(
+            f"{os.fspath(path)}: regular token id {bad:,} is outside [0, {limit:,}) for a "
+            f"vocabulary of {len(vocab):,} tokens"
+        )
+
+
 def build_tokenizer(
     path: PathLike,
     vocab: dict[int, bytes],
@@ -128,6 +152,7 @@ def build_tokenizer(
     metadata: Mapping[str, Any] | None = None,
 ) -> Tokenizer:
     """The Tokenizer, with any error its constructor finds prefixed by the file it came from."""
+    check_id_range(path, vocab, specials)
     try:
         return Tokenizer(vocab, merges, specials, pattern, metadata=metadata)
     except KilnError as exc:

@@ -112,7 +112,7 @@ def test_txt_custom_separator_ordinals_and_lines(tmp_path: Path) -> None:
     assert [d.meta["ordinal"] for d in items if d] == [0, 1, 3]
     assert all(d.id == "" and d.source == "" and d.meta["file"] == str(path) for d in items if d)
     assert issues.counts == {"empty document": 1}
-    assert issues.examples[0]["line"] == 6 and issues.examples[0]["record"] == 2
+    assert issues.examples[0]["line"] == 7 and issues.examples[0]["record"] == 2
     assert count_records(str(path), "txt", separator="@@@") == 4
 
 
