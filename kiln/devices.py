@@ -30,7 +30,9 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise KilnError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # kiln runs on nothing else
+        raise KilnError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise KilnError(f"device {name!r}: no CUDA device is available")

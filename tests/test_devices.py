@@ -43,6 +43,8 @@ def test_bad_dtype_and_device_are_one_clear_error() -> None:
         choose_precision("fp16x", CPU)
     with pytest.raises(KilnError, match="cpu, cuda"):
         resolve_device("tpu9")
+    with pytest.raises(KilnError, match="cpu, cuda"):
+        resolve_device("meta")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -111,11 +111,12 @@ def _register_plot(sub: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Export a checkpoint and say what was written."""
-    from kiln.io import check_can_write
+    from kiln.io import check_can_replace_dir
     from kiln.loading import load_checkpoint
-    from kiln.train.export import ExportSource, describe, export_hf
+    from kiln.train.export import EXPORT_KIND, ExportSource, describe, export_hf, is_export_dir
 
-    check_can_write(Path(args.hf), args.force)  # before loading, not after
+    # Before loading, not after: a folder export may not replace fails at once.
+    check_can_replace_dir(Path(args.hf), args.force, is_export_dir, EXPORT_KIND)
     loaded = load_checkpoint(args.run, args.step, args.tokenizer)
     source = ExportSource(
         model=loaded.model, tokenizer=loaded.tokenizer, tokenizer_path=loaded.tokenizer_path,

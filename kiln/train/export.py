@@ -21,6 +21,7 @@ from kiln.io import check_can_replace_dir, write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
 
+EXPORT_KIND = "a kiln export (no kiln_export.json)"  # the only kind of folder --force replaces
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -91,7 +92,7 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     from kiln.model.hf import config_to_hf, save_hf_dir
 
     out = Path(out)
-    check_can_replace_dir(out, force, is_export_dir, "a kiln export (no kiln_export.json)")
+    check_can_replace_dir(out, force, is_export_dir, EXPORT_KIND)
     model, tok, tok_path, eos_token = (
         source.model, source.tokenizer, source.tokenizer_path, source.eos_token
     )  # fmt: skip

@@ -18,8 +18,8 @@ import pytest
 
 from kiln.cli import main
 from kiln.errors import KilnError
+from kiln.loading import find_checkpoint
 from kiln.train import checkpoint as ckpt
-from kiln.train.export import find_checkpoint
 from kiln.train.trainer import Trainer
 
 from .conftest import CONFIGS, MakeConfig
