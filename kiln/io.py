@@ -243,6 +243,19 @@ def remove_dir(path: str | os.PathLike[str]) -> None:
 _kill_point_hits: dict[str, int] = {}
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (a leftover of a live process is kept)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, but is someone else's
+        return True
+    return True
+
+
 def kill_point(name: str) -> None:
     """SIGKILL this process at its n-th pass here when KILN_TEST_KILL_AT is `name` or `name@n`.
 

@@ -144,6 +144,7 @@ ROWS = [
     ("eval {HF} --bpb {B}/nowhere.txt", "nowhere.txt: no such file"),
     ("eval {HF} --tasks nosuchtask", "unknown task 'nosuchtask'"),
     ("eval {HF} --val {DS} --limit 0", "--limit must be >= 1"),
+    ("eval {HF} --val {DS} --stride 0", "--stride must be >= 1"),
     ("eval {HF} --val {DS} --batch-size 0", "batch size must be >= 1"),
     ("eval {HF} --val {DS} --dtype fp7", "dtype must be auto, fp32 or bf16, got 'fp7'"),
     ("eval {HF} --val {DS} --device tpu", "device must be cpu, cuda, cuda:N or auto, got 'tpu'"),

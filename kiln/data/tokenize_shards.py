@@ -31,7 +31,7 @@ from kiln.data.procs import stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
-from kiln.io import sha256_file
+from kiln.io import pid_alive, sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
 
@@ -213,19 +213,11 @@ def remove_abandoned_builds(out: Path) -> list[Path]:
     removed = []
     for path in out.parent.glob(f".{out.name}.*.tmp"):
         match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not _pid_alive(int(match.group(1))):
+        if match and path.is_dir() and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
     return True
 
 

@@ -85,6 +85,10 @@ def run_eval(args: argparse.Namespace) -> int:
         raise KilnError("nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks")
     if args.limit is not None and args.limit < 1:
         raise KilnError(f"--limit must be >= 1, got {args.limit}")
+    if args.stride is not None and args.stride < 1:
+        raise KilnError(
+            f"--stride must be >= 1 (or left out for the block size), got {args.stride}"
+        )
     names = parse_task_names(args.tasks) if args.tasks else []
     if names and args.data_dir is None:
         raise KilnError(f"no task data at {DEFAULT_DATA_DIR}; pass --data-dir DIR")

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln import __version__
 from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
-from kiln.io import atomic_write, kill_point, write_json_atomic
+from kiln.io import atomic_write, kill_point, pid_alive, write_json_atomic
 
 STATE_FORMAT = "kiln.checkpoint"
 STATE_VERSION = 1
@@ -288,7 +288,7 @@ def clean_leftovers(checkpoints: Path) -> list[str]:
             doomed = True
         elif name.startswith(_TMP_PREFIX):
             pid = name.rpartition("-")[2]
-            doomed = not (pid.isdigit() and _pid_alive(int(pid)))
+            doomed = not (pid.isdigit() and pid_alive(int(pid)))
         elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
             doomed = True  # atomic_write's temp file for the pointer
         else:
@@ -324,18 +324,6 @@ def _trash_name(path: Path) -> Path:
     if trash.exists():
         shutil.rmtree(trash)
     return trash
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (on this machine)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. PermissionError: it exists, but is someone else's
-        return True
     return True
 
 

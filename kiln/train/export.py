@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.io import check_can_replace_dir, write_json_atomic
+from kiln.io import check_can_replace_dir, pid_alive, write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
 
@@ -105,6 +105,7 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     eos_id = tok.special_tokens[eos_token]
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_exports(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -131,6 +132,20 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
 def is_export_dir(path: Path) -> bool:
     """Whether `path` is an HF directory `kiln export` wrote (the only kind --force replaces)."""
     return (path / "kiln_export.json").is_file()
+
+
+def remove_abandoned_exports(out: Path) -> list[Path]:
+    """Delete `.<out>.tmp-PID` / `.<out>.old-PID` folders an export killed mid-write left."""
+    removed = []
+    for path in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = path.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not pid_alive(int(pid)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,21 @@ def test_export_refuses_an_existing_directory_unless_forced(
     assert main(["export", str(run), "--hf", str(out), "--step", "2", "--force"]) == 0
     assert json.loads((out / "kiln_export.json").read_text())["step"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
+
+
+def test_export_removes_what_a_killed_export_left(
+    trained: tuple[Path, Transformer], tmp_path: Path
+) -> None:
+    run, _ = trained
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(gone.stdout)  # a process that has exited: its leftovers are abandoned
+    for name in (f".hf.tmp-{dead}", f".hf.old-{dead}", f".hf.tmp-{os.getpid()}x", ".hf.tmp-1"):
+        (tmp_path / name).mkdir()
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    # PID 1 is alive (its export may still be running) and a non-numeric suffix is not ours.
+    kept = sorted([f".hf.tmp-{os.getpid()}x", ".hf.tmp-1", "hf"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
 
 
 def test_export_of_a_missing_step_names_the_saved_ones(
