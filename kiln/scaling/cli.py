@@ -112,7 +112,9 @@ def register(sub: Any) -> None:
         action="store_true",
         help="use IsoFLOP minima outside a budget's sizes in the power laws too",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing fit.json")
+    p.add_argument(
+        "--force", action="store_true", help="replace an existing fit.json and its figures"
+    )
     p.set_defaults(handler=run_fit)
 
 
@@ -329,10 +331,11 @@ def run_fit(args: argparse.Namespace) -> int:
     """Fit, write fit.json and the PNGs, print the fitted numbers."""
     from kiln.io import check_can_write, write_json_atomic
     from kiln.scaling.fit import fit_all, read_points
-    from kiln.scaling.plots import plot_all
+    from kiln.scaling.plots import FIGURES, plot_all
 
     out = Path(args.out)
-    check_can_write(out / "fit.json", args.force)
+    for name in ("fit.json", *FIGURES):  # a previous fit's figures are results too
+        check_can_write(out / name, args.force)
     points = [p for p in read_points(args.results) if p.c >= args.min_budget]
     if not points:
         raise KilnError(f"no run has a budget of at least --min-budget {args.min_budget:g}")

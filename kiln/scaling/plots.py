@@ -98,10 +98,14 @@ def plot_predicted(points: list[Point], report: FitReport, path: Path) -> Path:
     return save_png(fig, path, dpi=120)
 
 
+FIGURES = ("isoflop.png", "frontier.png", "predicted.png")
+
+
 def plot_all(points: list[Point], report: FitReport, out: Path, prefix: str = "") -> list[Path]:
-    """The three figures under `out`, named {prefix}isoflop.png, frontier.png, predicted.png."""
+    """The three FIGURES under `out`, each name with `prefix` in front."""
+    isoflop, frontier, predicted = (out / f"{prefix}{name}" for name in FIGURES)
     return [
-        plot_isoflop(points, report, out / f"{prefix}isoflop.png"),
-        plot_frontier(report, out / f"{prefix}frontier.png"),
-        plot_predicted(points, report, out / f"{prefix}predicted.png"),
+        plot_isoflop(points, report, isoflop),
+        plot_frontier(report, frontier),
+        plot_predicted(points, report, predicted),
     ]
