@@ -78,10 +78,12 @@ def run_demo(args: argparse.Namespace) -> int:
     _step(5, "writing the report")
     timings["total_s"] = time.perf_counter() - t_start
     report = _write_report(out, trainer, result, stories, timings)
-    print(
-        f"\nvalidation loss   {result.val_loss:.3f} nats/token after {result.step} steps "
-        f"({result.tokens:,} tokens)"
+    val = (
+        "not measured (eval.batches = 0)"
+        if result.val_loss is None
+        else (f"{result.val_loss:.3f} nats/token")
     )
+    print(f"\nvalidation loss   {val} after {result.step} steps ({result.tokens:,} tokens)")
     print(f"dtype             {trainer.precision.describe()}")
     print(f"time              {timings['total_s'] / 60:.1f} min")
     print(f"results           {report}")
@@ -99,10 +101,21 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise KilnError(f"--steps must be >= 1, got {args.steps}")
     if args.story_tokens < 0:
         raise KilnError(f"--story-tokens must be >= 0, got {args.story_tokens}")
+    from kiln.devices import resolve_device
     from kiln.train.config import load_train_config
+    from kiln.train.trainer import accumulation_steps
 
-    # A bad --minutes or --set fails here, with the overrides the run will use.
-    load_train_config(asset("demo.toml"), [*_length_overrides(args), *args.set])
+    # A bad --minutes or --set fails here, with the overrides the run will use, and so do the
+    # Trainer's own checks that need no data (a --force must not delete the old run first).
+    cfg = load_train_config(asset("demo.toml"), [*_length_overrides(args), *args.set])
+    resolve_device(cfg.train.device)
+    accumulation_steps(cfg.batch.global_tokens, 1, cfg.batch.micro_batch, cfg.data.seq_len)
+    for i, prompt in enumerate(cfg.eval.sample_prompts):
+        if EOT in prompt and not cfg.eval.allow_special:
+            raise KilnError(
+                f"eval.sample_prompts[{i}] {prompt!r} contains the special token {EOT!r}; "
+                "set eval.allow_special = true to encode it as that control token, or remove it"
+            )
 
 
 def is_demo_dir(path: Path) -> bool:
@@ -180,7 +193,8 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[T
     result = trainer.run()
     if result.interrupted:
         raise KilnError(
-            f"training was interrupted; resume with: kiln train {out / 'train'} --resume"
+            "training was interrupted; resume with: "
+            f"kiln train {out / 'train' / 'config.toml'} --resume"
         )
     if result.val_loss is None:
         result.val_loss = trainer.evaluate()
@@ -256,13 +270,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sample three stories; everything goes under one run folder.",
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
-    parser.add_argument(
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument(
         "--minutes",
         type=float,
         help="training time budget in minutes (default: the demo config's 10; evaluation, "
         "sampling and checkpoints not counted)",
     )
-    parser.add_argument("--steps", type=int, help="train exactly this many steps (no budget)")
+    length.add_argument("--steps", type=int, help="train exactly this many steps (no budget)")
     parser.add_argument("--story-tokens", type=int, default=160, help="tokens per story")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"

@@ -38,6 +38,10 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
             raise KilnError(f"device {name!r}: no CUDA device is available")
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise KilnError(
+                f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return device
 
 
@@ -130,17 +134,9 @@ def choose_precision(
     if requested not in ("auto", *DTYPES):
         raise KilnError(f"dtype must be auto, fp32 or bf16, got {requested!r}")
     if device.type == "cuda":
-        supported = torch.cuda.is_bf16_supported()
-        if requested == "bf16" and not supported:
-            raise KilnError(f"dtype bf16: {torch.cuda.get_device_name(device)} has no bf16")
-        if requested == "fp32":
-            return Precision("fp32", requested, "asked for")
-        if supported:
-            return Precision("bf16", requested, "this GPU supports bf16")
-        return Precision("fp32", requested, "this GPU has no bf16")
+        return _cuda_precision(requested, device)
     if device.type != "cpu":
-        name = "fp32" if requested == "auto" else requested
-        return Precision(name, requested, f"{device.type} device: no probe, fp32 unless asked")
+        raise KilnError(f"no precision rule for {device.type} devices (kiln runs on cpu or cuda)")
     if requested == "fp32":
         return Precision("fp32", requested, "asked for")
     flags = cpu_flags() if flags is None else flags
@@ -167,3 +163,22 @@ def choose_precision(
         f"this CPU has native bf16 ({'/'.join(native)}); probe bf16/fp32 time {ratio:.2f}",
         ratio,
     )
+
+
+def _cuda_precision(requested: str, device: torch.device) -> Precision:
+    """The rule on a GPU: bf16 where its tensor cores have it (compute capability 8.0 and up).
+
+    Not `torch.cuda.is_bf16_supported()`, which also says yes for GPUs that only emulate bf16.
+    """
+    major, minor = torch.cuda.get_device_capability(device)
+    where = f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}"
+    native = (major, minor) >= (8, 0)
+    if requested == "fp32":
+        return Precision("fp32", requested, "asked for")
+    if requested == "bf16":
+        return Precision(
+            "bf16", requested, "asked for" if native else f"asked for; {where} emulates bf16"
+        )
+    if native:
+        return Precision("bf16", requested, f"this GPU has native bf16 ({where})")
+    return Precision("fp32", requested, f"this GPU has no native bf16 ({where}; needs sm_80+)")

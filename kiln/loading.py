@@ -18,6 +18,7 @@ manifest and checked by sha256. `kiln export` needs the checkpoint itself (state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -52,6 +53,17 @@ class LoadedModel:
     tokenizer_path: Path | None
     precision: Precision
     stop_ids: tuple[int, ...] = ()  # end-of-sequence ids (an HF config may name several)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype forward passes autocast to (None: plain fp32), as the trainer's do."""
+        return torch.bfloat16 if self.precision.name == "bf16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision for this model's forward passes: weights stay fp32, matmuls autocast."""
+        device = next(self.model.parameters()).device
+        dtype = self.autocast_dtype
+        return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 @dataclass(frozen=True)
@@ -345,5 +357,7 @@ def load_model(
         )  # fmt: skip
         if kind != "checkpoint":
             source += f" of the {'kiln demo' if kind == 'demo' else kind} folder {path}"
-    model.to(precision.dtype).eval()
+    # Weights stay fp32 and bf16 runs under autocast (`LoadedModel.autocast`), as in training,
+    # so `kiln eval --val` measures what the trainer's val loss measured.
+    model.eval()
     return LoadedModel(model, tok, eot_id, source, tok_path, precision, tuple(eos))

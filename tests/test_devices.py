@@ -63,3 +63,18 @@ def test_precision_record_round_trips_its_fields() -> None:
         "reason": "why",
         "bf16_slowdown": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("capability", "auto", "explicit"),
+    [((9, 0), "bf16", "asked for"), ((8, 0), "bf16", "asked for"), ((7, 0), "fp32", "emulates")],
+)
+def test_gpu_rule_follows_native_bf16_not_emulation(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], auto: str, explicit: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    gpu = torch.device("cuda", 0)
+    assert choose_precision("auto", gpu).name == auto
+    assert explicit in choose_precision("bf16", gpu).reason
+    assert choose_precision("fp32", gpu).name == "fp32"

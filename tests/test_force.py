@@ -50,6 +50,23 @@ def test_demo_force_checks_arguments_before_touching_the_folder(
     assert _intact(precious)
 
 
+def test_demo_force_keeps_the_old_run_when_the_trainer_would_refuse_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = tmp_path / "demo"
+    (old / "train").mkdir(parents=True)
+    (old / DEMO_MARKER).write_text("")
+    (old / "train" / "metrics.jsonl").write_text('{"step": 1}\n')
+    argv = ["demo", "--out", str(old), "--force", "--set"]
+    for override, words in (
+        ("batch.global_tokens=1000", "batch.global_tokens (1000)"),
+        ("train.device=tpu", "device must be cpu, cuda"),
+        ("eval.sample_prompts=['Once<|endoftext|>']", "special token"),
+    ):
+        _fails_with_one_line([*argv, override], capsys, words)
+        assert (old / "train" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_demo_force_refuses_a_folder_it_did_not_make(
     precious: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

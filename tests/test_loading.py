@@ -244,7 +244,9 @@ def test_an_unrecognised_folder_is_one_line_saying_what_was_looked_for(tmp_path:
 def test_dtype_and_device_auto(demo: Path) -> None:
     loaded = load_model(demo)  # auto, auto
     assert loaded.precision.requested == "auto"
-    assert next(loaded.model.parameters()).dtype == loaded.precision.dtype
+    # Weights stay fp32; bf16 is autocast around forward passes, as in training.
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert loaded.autocast_dtype == (torch.bfloat16 if loaded.precision.name == "bf16" else None)
     with pytest.raises(KilnError, match="dtype must be auto, fp32 or bf16, got 'fp16'"):
         load_model(demo, dtype="fp16")
 

@@ -122,7 +122,9 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     if loaded.precision.warning:
         print(f"kiln eval: warning: {loaded.precision.warning}", file=sys.stderr)
     device = next(loaded.model.parameters()).device
-    scorer = Scorer(loaded.model, args.batch_size, progress=not args.no_progress)
+    scorer = Scorer(
+        loaded.model, args.batch_size, not args.no_progress, autocast_dtype=loaded.autocast_dtype
+    )
     tasks = []
     for task in loaded_tasks:
         result = evaluate_task(task, scorer, loaded.tokenizer, loaded.eot_id)

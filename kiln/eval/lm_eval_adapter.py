@@ -37,8 +37,8 @@ class KilnLM(LM):
         self,
         pretrained: str | None = None,
         tokenizer: str | None = None,
-        device: str = "cpu",
-        dtype: str = "fp32",
+        device: str = "auto",
+        dtype: str = "auto",
         batch_size: int | str = 16,
         max_gen_toks: int = 256,
         progress: bool = True,
@@ -55,7 +55,9 @@ class KilnLM(LM):
         self.tok = loaded.tokenizer
         self.eot_id = loaded.eot_id
         self.max_gen_toks = int(max_gen_toks)
-        self.scorer = Scorer(loaded.model, int(batch_size), progress=_flag(progress))
+        self.scorer = Scorer(
+            loaded.model, int(batch_size), _flag(progress), autocast_dtype=loaded.autocast_dtype
+        )
         self._device = self.scorer.device
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
@@ -104,7 +106,10 @@ class KilnLM(LM):
                 raise KilnError("an empty prompt needs an end-of-text token to start from")
             prompt = [self.eot_id]
         stop = [] if self.eot_id is None else [self.eot_id]
-        (ids,) = generate(self.scorer.model, [prompt], max_new, temperature=0.0, stop_tokens=stop)
+        with self.loaded.autocast():
+            (ids,) = generate(
+                self.scorer.model, [prompt], max_new, temperature=0.0, stop_tokens=stop
+            )
         text = self.tok.decode(ids)
         for s in until:
             if s and s in text:

@@ -72,7 +72,13 @@ def rolling_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[i
 class Scorer:
     """Scores windows with a model in padded batches (right-padded, longest first)."""
 
-    def __init__(self, model: Transformer, batch_size: int = 16, progress: bool = True) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int = 16,
+        progress: bool = True,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         if batch_size < 1:
             raise KilnError(f"batch size must be >= 1, got {batch_size}")
         self.model = model.eval()
@@ -80,6 +86,7 @@ class Scorer:
         self.progress = progress
         self.block_size = model.cfg.block_size
         self.device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype  # e.g. bf16, as the trainer scores; None: fp32
 
     def score_windows(self, windows: Sequence[Window], desc: str = "scoring") -> list[Scored]:
         """One `Scored` per window, in the order given."""
@@ -94,7 +101,11 @@ class Scorer:
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         results: list[Scored | None] = [None] * len(windows)
         bar = _bar(len(windows), desc, self.progress)
-        with torch.inference_mode():
+        dtype = self.autocast_dtype
+        autocast = torch.autocast(
+            self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None
+        )
+        with torch.inference_mode(), autocast:
             for first in range(0, len(order), self.batch_size):
                 rows = order[first : first + self.batch_size]
                 for i, scored in zip(

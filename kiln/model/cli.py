@@ -110,16 +110,17 @@ def run_sample(args: argparse.Namespace) -> int:
         loaded.model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop_tokens=stop,
     )  # fmt: skip
-    # The first token is decoded before the prompt is printed, so whatever generation refuses
-    # fails before any output.
-    first = next(tokens, None)
-    rest: Iterator[int] = chain([first], tokens) if first is not None else iter(())
-    if tok is None or shown is None:
-        for token in rest:
-            print(token, end=" ", flush=True)
-        print()
-    else:
-        _print_text(tok, shown, rest)
+    with loaded.autocast():  # around the whole stream: each token is computed as it is read
+        # The first token is decoded before the prompt is printed, so whatever generation
+        # refuses fails before any output.
+        first = next(tokens, None)
+        rest: Iterator[int] = chain([first], tokens) if first is not None else iter(())
+        if tok is None or shown is None:
+            for token in rest:
+                print(token, end=" ", flush=True)
+            print()
+        else:
+            _print_text(tok, shown, rest)
     return 0
 
 

@@ -103,13 +103,15 @@ class TimeBudget:
         rate = self.step_time()
         if left <= 0:
             planned = steps_done
-        elif rate is None:  # nothing measured yet: keep the saved plan, or look two steps ahead
+        elif not rate:  # nothing measured yet: keep the saved plan, or look two steps ahead
             planned = self.planned if self.planned is not None else steps_done + 2
         else:
             reserve = max(self._recent()) - rate  # the spread of recent steps, kept in hand
             planned = steps_done + max(1, int(max(0.0, left - reserve) // rate))
-            if len(self.durations) <= CALIBRATION:  # too few times to call a step the last
-                planned = max(planned, steps_done + 2)
+            if len(self.durations) <= CALIBRATION:
+                # Too few times (the first carries warm-up) to call a step the last, or to
+                # shorten a plan a resumed run brought with it.
+                planned = max(planned, steps_done + 2, self.planned or 0)
         if self.cap is not None:
             planned = min(planned, self.cap)
         self.planned = planned

@@ -195,13 +195,26 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
     if result.losses:
         last = f"loss {result.losses[-1]:.4f}"
     else:
-        last = f"nothing to do (train.max_steps = {c.train.max_steps:,} already reached)"
+        last = f"nothing to do ({_end_reached(trainer)})"
     say(
         f"kiln train: step {result.step:,} ({result.tokens:,} tokens) in {elapsed:.1f} s: "
         f"{last}{val}; {_checkpoint_note(result, trainer)}; "
         f"metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def _end_reached(trainer: Any) -> str:
+    """Why a resumed run had no step left: its step count or its time budget."""
+    if trainer.budget is None:
+        return f"train.max_steps = {trainer.max_steps:,} already reached"
+    from kiln.train.budget import format_seconds
+
+    return (
+        f"the time budget's plan of {trainer.max_steps:,} steps is done: "
+        f"{format_seconds(trainer.train_seconds)} of {format_seconds(trainer.budget.seconds)} "
+        "trained"
+    )
 
 
 def _length(cfg: Any) -> str:

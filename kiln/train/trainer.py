@@ -153,8 +153,9 @@ class Trainer:
             self.skipped = state.get("skipped_steps", 0)
             schedule = state["scheduler"]
             self.train_seconds = float(schedule.get("train_seconds", 0.0))
-            if schedule.get("time_budget_s") == cfg.train.budget_seconds:
-                planned = schedule.get("max_steps")  # else a new budget: plan afresh
+            same = (schedule.get("time_budget_s"), schedule.get("max_steps_cap"))
+            if same == (cfg.train.budget_seconds, cfg.train.max_steps):
+                planned = schedule.get("max_steps")  # else a new budget or cap: plan afresh
             cursor = LoaderCursor.from_dict(state["cursor"])
             rng = state["rng"].get(str(self.dist.rank))
             if rng is not None:
@@ -325,9 +326,9 @@ class Trainer:
         """Train until the planned last step or a stop request; returns what this call did."""
         cfg = self.cfg
         result = RunResult(step=self.step, tokens=self.tokens)
+        run_info = self._run_info()  # into the first metrics record; printed before the bar
         bar = _progress(cfg, self.step, self.max_steps, self.dist)
         window_tokens, window_time = 0, 0.0
-        run_info = self._run_info()  # into the first metrics record of this call
         started, trained = self.clock(), self.train_seconds
         if self.dist.is_main:
             self.loggers = Loggers.open(cfg, self.run_dir, self.step)
@@ -578,6 +579,7 @@ class Trainer:
             "max_steps": self.max_steps,
             "train_seconds": self.train_seconds,
             "time_budget_s": self.budget.seconds if self.budget is not None else None,
+            "max_steps_cap": self.budget.cap if self.budget is not None else None,
         }
         return ckpt.save_checkpoint(
             self.checkpoints, tensors, optim_state, state, scheduler,

@@ -124,6 +124,13 @@ def test_max_steps_with_a_budget_is_an_upper_bound(make_config: MakeConfig) -> N
     assert result.step == 5 and records[-1]["lr"] == pytest.approx(PEAK_LR * FLOOR)
 
 
+def test_raising_the_step_cap_on_resume_extends_a_capped_run(make_config: MakeConfig) -> None:
+    cfg = make_config("train.time_budget=1h", "train.max_steps=5", "checkpoint.every=0", run="c")
+    assert _budgeted(cfg, lambda n: 1.0).run().step == 5
+    raised = make_config("train.time_budget=1h", "train.max_steps=8", "checkpoint.every=0", run="c")
+    assert _budgeted(raised, lambda n: 1.0, resume=True).run().step == 8
+
+
 def test_resume_keeps_the_training_time_and_ends_at_the_same_total_budget(
     make_config: MakeConfig,
 ) -> None:
@@ -165,6 +172,17 @@ def test_a_slow_last_step_overruns_by_less_than_itself() -> None:
     plans = _drive(budget, lambda n: 7.5 if n == 10 else 1.0)  # step 10: the planned last
     assert len(plans) == 10 and plans[-1] == 10
     assert budget.elapsed - budget.seconds < 7.5
+
+
+def test_a_resumed_plan_is_not_cut_short_by_the_first_warm_up_step() -> None:
+    budget = TimeBudget(20.0, elapsed=6.0, planned=20)  # resumed at step 6 of 20, 1 s steps
+    assert budget.plan(6) == 20
+    budget.record(5.0)  # the new process's first step pays for warm-up
+    assert budget.plan(7) == 20  # 7 + 9 s left / 5 s would have been 8
+    budget.record(1.0)
+    assert budget.plan(8) == 20  # still calibrating: the plan it brought stands
+    budget.record(1.0)
+    assert budget.plan(9) == 16  # measured: 1 s steps, 7 s left (the warm-up cost 4 s)
 
 
 def test_a_step_that_eats_the_rest_of_the_budget_stops_the_run() -> None:

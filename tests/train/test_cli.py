@@ -59,6 +59,10 @@ def test_train_for_a_time_budget_from_the_command_line(
     assert "a time budget of 0.5 s of training; run in" in out
     assert "(evaluation, sampling and checkpoints are not counted)" in out
     assert "kiln train: dtype fp32: asked for" in out
+    # Resuming the finished budgeted run: nothing to do, said in the budget's terms.
+    assert _run(*argv, "--resume") == 0
+    out = capsys.readouterr().out
+    assert "nothing to do (the time budget's plan of" in out and "of 0.5 s trained" in out
 
 
 def test_plot_schedule_writes_a_png_in_the_run_report(tmp_path: Path) -> None:

@@ -209,3 +209,27 @@ def test_val_loss_equals_kiln_eval_on_the_same_windows(make_config: MakeConfig) 
     trainer.val_batches = [(x[:3], y[:3], 3), (x[3:], y[3:], 9)]
     value = trainer.evaluate()
     assert value is not None and math.isclose(value, expected, rel_tol=1e-5), (value, expected)
+
+
+def test_bf16_val_loss_equals_kiln_eval_under_the_same_autocast(make_config: MakeConfig) -> None:
+    """With train.dtype = bf16 the trainer evaluates under autocast with fp32 weights; kiln eval
+    (Scorer with the loaded model's autocast dtype) scores the same windows the same way."""
+    cfg = make_config(
+        "train.dtype=bf16", "train.max_steps=1", "eval.every=0", "eval.batches=2",
+        "checkpoint.every=0",
+    )  # fmt: skip
+    trainer = Trainer(cfg, cfg.logging.run_dir)
+    result = trainer.run()
+    x = torch.cat([b[0] for b in trainer.val_batches])  # (N, T)
+    y = torch.cat([b[1] for b in trainer.val_batches])  # (N, T)
+    windows = [(torch.cat([xi, yi[-1:]]).tolist(), len(xi)) for xi, yi in zip(x, y, strict=True)]
+    model = copy.deepcopy(trainer.model)
+    bf16 = Scorer(model, progress=False, autocast_dtype=torch.bfloat16).score_windows(windows)
+    fp32 = Scorer(model, progress=False).score_windows(windows)
+
+    def mean(scored: list) -> float:
+        return -sum(s.logprob for s in scored) / sum(s.n_tokens for s in scored)
+
+    assert result.val_loss is not None
+    assert math.isclose(result.val_loss, mean(bf16), rel_tol=1e-4), (result.val_loss, mean(bf16))
+    assert mean(fp32) != mean(bf16)  # the autocast really ran: fp32 scores differ
