@@ -73,10 +73,10 @@ def test_tiny_isoflop_sweep_end_to_end(tiny_dataset: Path, tmp_path: Path, capsy
     assert "already exists" in capsys.readouterr().err
     # A folder holding only a previous fit's figure is refused too: figures are results.
     (fit_dir / "fit.json").unlink()
-    frontier = (fit_dir / "frontier.png").read_bytes()
+    figure = (fit_dir / "isoflop.png").read_bytes()
     assert main(["scaling", "fit", str(out), "--out", str(fit_dir)]) == 2
-    assert "frontier.png already exists" in capsys.readouterr().err
-    assert (fit_dir / "frontier.png").read_bytes() == frontier
+    assert "isoflop.png already exists" in capsys.readouterr().err
+    assert (fit_dir / "isoflop.png").read_bytes() == figure
     # Rewriting the sweep sets the old results and runs aside instead of reusing them.
     assert main([*args[:-2], "--no-progress", "--force"]) == 0
     assert not (out / "results.csv").exists() and not (out / "runs").exists()
