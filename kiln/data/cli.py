@@ -193,7 +193,8 @@ def _add_inspect(commands: Any) -> None:
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="check every file's sha256 (default: yes, unless KILN_VERIFY_SHARDS=0)",
+        help="check every file's sha256 (default: on first use, unless KILN_VERIFY_SHARDS=0; "
+        "--verify hashes files stamped as checked too)",
     )
     p.add_argument(
         "--token",
@@ -268,6 +269,7 @@ def _print_sample(ds: Any, args: argparse.Namespace) -> None:
                 "--tokenizer with the original file"
             )
     tokens = split.document(args.doc)
+    split.check_ids(tokens, split.document_start(args.doc), ds.vocab_size)
     text = read_any(tok_path).decode(tokens.tolist())
     shown = text if len(text) <= args.max_chars else text[: args.max_chars] + "…"
     print(

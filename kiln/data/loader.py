@@ -130,6 +130,7 @@ class Loader:
                 f"{world_size} ranks; use a batch size that is a multiple of {world_size}"
             )
         self.split: Split = dataset.split(split)
+        self.vocab_size = dataset.vocab_size
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.n_windows = max(0, (self.split.n_tokens - 1) // seq_len)
@@ -176,6 +177,9 @@ class Loader:
         mine = windows[self.rank * local : (self.rank + 1) * local]
         T = self.seq_len
         rows = np.stack([self.split.read(int(w) * T, T + 1) for w in mine]).astype(np.int64)
+        if rows.size and int(rows.max()) >= self.vocab_size:
+            for w, row in zip(mine, rows, strict=True):
+                self.split.check_ids(row, int(w) * T, self.vocab_size)
         self._cursor = after
         inputs, targets = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
         return Batch(inputs=inputs, targets=targets, cursor=after)

@@ -26,6 +26,16 @@ def creation_time() -> str:
     return when.isoformat(timespec="seconds")
 
 
+def is_shard_dataset(directory: Path) -> bool:
+    """Whether `directory` holds a `manifest.json` that says it is a kiln token-shard dataset
+    (any folder may hold some other program's manifest.json: --force must not delete that)."""
+    try:
+        doc = json.loads((Path(directory) / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == MANIFEST_FORMAT
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     """One shard of a split: file stem (`train_000000`), counts and checksums of both files."""

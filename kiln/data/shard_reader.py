@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kiln.data.manifest import Manifest, ShardEntry
+from kiln.data.manifest import MANIFEST_NAME, Manifest, ShardEntry
 from kiln.data.shard_format import (
     HEADER_BYTES,
     dtype_from_name,
@@ -16,6 +17,7 @@ from kiln.data.shard_format import (
     read_bin_header,
     read_idx,
 )
+from kiln.data.verified import VerifiedStamp
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 
@@ -44,7 +46,13 @@ def verify_by_default() -> bool:
 
 
 def _open_shard(
-    root: Path, entry: ShardEntry, dtype: np.dtype, verify: bool, vocab_size: int
+    root: Path,
+    entry: ShardEntry,
+    dtype: np.dtype,
+    verify: bool,
+    vocab_size: int,
+    stamp: VerifiedStamp | None = None,
+    trust_stamp: bool = False,
 ) -> Shard:
     bin_path, idx_path = root / f"{entry.name}.bin", root / f"{entry.name}.idx"
     header = read_bin_header(bin_path)
@@ -65,11 +73,16 @@ def _open_shard(
         )
     if verify:
         for path, expected in ((bin_path, entry.sha256), (idx_path, entry.idx_sha256)):
+            if trust_stamp and stamp is not None and stamp.is_verified(path):
+                continue
+            st, started = path.stat(), time.time_ns()
             if sha256_file(path) != expected:
                 raise KilnError(
                     f"{path}: sha256 differs from the manifest's; the file changed or is corrupt "
                     f"(re-create the dataset)"
                 )
+            if stamp is not None:
+                stamp.record(path, st, started)
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(entry.tokens,))
     # The writer records the largest id; a manifest without it (older kiln) costs one scan.
     max_id = entry.max_id if entry.max_id is not None else _scan_max(tokens)
@@ -126,6 +139,25 @@ class Split:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
 
+    def check_ids(self, tokens: np.ndarray, start: int, vocab_size: int) -> None:
+        """Refuse `tokens` (read from `start`) if one is outside the vocabulary, naming the shard.
+
+        One max over what is about to be used: opening checks the manifest's recorded maxima, not
+        the bytes, so with verification off a corrupted shard is caught here instead of by an
+        IndexError deep in the model.
+        """
+        if tokens.size == 0 or int(tokens.max()) < vocab_size:
+            return
+        at = int(np.argmax(tokens >= vocab_size))
+        position = start + at
+        i = int(np.searchsorted(self._token_starts, position, side="right")) - 1
+        local = position - int(self._token_starts[i])
+        raise KilnError(
+            f"{self.shards[i].path}: token {local:,} is id {int(tokens[at])}, outside the "
+            f"tokenizer's vocabulary of {vocab_size}; the shard is corrupt or changed since it "
+            f"was written (re-create the dataset; `kiln data inspect DIR --verify` checks it)"
+        )
+
     def _locate(self, index: int) -> tuple[Shard, int]:
         if not 0 <= index < self.n_documents:
             raise IndexError(
@@ -138,6 +170,12 @@ class Split:
         """The tokens of document `index` (ending with end-of-text)."""
         shard, local = self._locate(index)
         return shard.tokens[shard.offsets[local] : shard.offsets[local + 1]]
+
+    def document_start(self, index: int) -> int:
+        """Where document `index` starts in the concatenated split (for `check_ids`)."""
+        shard, local = self._locate(index)
+        i = next(n for n, s in enumerate(self.shards) if s is shard)
+        return int(self._token_starts[i]) + int(shard.offsets[local])
 
     def document_source(self, index: int) -> str:
         """The input file document `index` came from."""
@@ -164,11 +202,16 @@ class Dataset:
         given) that `tokenizer` is the file the shards were encoded with.
 
         `verify` also checks every file's sha256 (so in-range corruption is caught before it is
-        trained on); by default it does, unless the environment sets KILN_VERIFY_SHARDS=0.
+        trained on). By default (None) it does so on first use, unless the environment sets
+        KILN_VERIFY_SHARDS=0: files that passed are stamped in the user cache (`kiln.data.verified`)
+        and not hashed again while their size, mtime and inode are unchanged. True hashes every
+        file whatever the stamp says.
         """
+        trust_stamp = verify is None
         verify = verify_by_default() if verify is None else verify
         root = Path(root)
         manifest = Manifest.read(root)
+        stamp = VerifiedStamp.load(root / MANIFEST_NAME) if verify else None
         if tokenizer is not None:
             if not os.path.isfile(tokenizer):
                 raise KilnError(f"{tokenizer}: no such tokenizer file")
@@ -183,11 +226,15 @@ class Dataset:
         splits = {}
         for name, entry in manifest.splits.items():
             vocab = manifest.tokenizer.vocab_size
-            shards = [_open_shard(root, s, dtype, verify, vocab) for s in entry.shards]
+            shards = [
+                _open_shard(root, s, dtype, verify, vocab, stamp, trust_stamp) for s in entry.shards
+            ]
             for shard in shards:
                 if shard.n_documents and int(shard.sources.max()) >= len(sources):
                     raise KilnError(f"{shard.path}: source index beyond the manifest's sources")
             splits[name] = Split(name, shards, sources, dtype)
+        if stamp is not None:
+            stamp.save()
         return cls(root, manifest, splits)
 
     def split(self, name: str) -> Split:

@@ -26,12 +26,20 @@ from tqdm import tqdm
 
 from kiln import __version__
 from kiln.data.documents import SourceCounts, iter_documents
-from kiln.data.manifest import MANIFEST_NAME, Manifest, SourceEntry, TokenizerEntry, creation_time
-from kiln.data.procs import stop_pool, worker_init
+from kiln.data.manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    Manifest,
+    SourceEntry,
+    TokenizerEntry,
+    creation_time,
+    is_shard_dataset,
+)
+from kiln.data.procs import interrupts_deferred, stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
-from kiln.io import pid_alive, sha256_file
+from kiln.io import kill_point, pid_alive, sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
 
@@ -199,42 +207,86 @@ def _check_output(out: Path, force: bool) -> None:
         return
     if not force:
         raise KilnError(f"{out} already exists; pass --force to replace it")
-    is_dataset = (out / MANIFEST_NAME).is_file()
-    if out.is_dir() and not is_dataset and any(out.iterdir()):
-        # --force replaces datasets; it must not delete an unrelated directory by accident.
-        raise KilnError(f"{out} exists and is not a kiln dataset; refusing to replace it")
     if not out.is_dir():
         raise KilnError(f"{out} exists and is not a directory")
+    if any(out.iterdir()) and not is_shard_dataset(out):
+        # --force replaces datasets; it must not delete an unrelated directory by accident.
+        raise KilnError(
+            f"{out} exists and is not a kiln dataset (no {MANIFEST_NAME} of format "
+            f"{MANIFEST_FORMAT!r}); refusing to replace it"
+        )
+
+
+def build_path(out: Path, kind: str) -> Path:
+    """`.<out>.<pid>.<kind>.tmp` beside `out`: a folder of this process that a later start
+    recognises as abandoned once the process is gone (see `remove_abandoned_builds`)."""
+    return out.parent / f".{out.name}.{os.getpid()}.{kind}.tmp"
 
 
 def remove_abandoned_builds(out: Path) -> list[Path]:
-    """Delete `.<out>.<pid>.*.tmp` build folders whose process is gone (killed mid-build)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.[^.]+\.tmp")
-    removed = []
-    for path in out.parent.glob(f".{out.name}.*.tmp"):
-        match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not pid_alive(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    """Clear what killed builds of `out` left: `.<out>.<pid>.*.tmp` folders of dead processes.
 
-    return True
+    One exception: when `out` is missing but such a process had moved the old dataset aside
+    (`.<out>.<pid>.old.tmp`, killed between the two renames of `install_dataset`), that folder
+    is moved back to `out` instead of being deleted. Returns the deleted folders.
+    """
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.([^.]+)\.tmp")
+    abandoned: list[tuple[Path, str]] = []
+    for path in sorted(out.parent.glob(f".{out.name}.*.tmp")):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not path.is_symlink() and not pid_alive(int(match[1])):
+            abandoned.append((path, match[2]))
+    olds = [path for path, kind in abandoned if kind == "old"]
+    if olds and not out.exists() and not out.is_symlink():
+        kept = max(olds, key=lambda p: p.stat().st_mtime_ns)
+        os.replace(kept, out)
+        print(
+            f"note: restored {out} from {kept.name}, where a replacement cut short had left it",
+            file=sys.stderr,
+        )
+        abandoned = [(path, kind) for path, kind in abandoned if path != kept]
+    for path, _ in abandoned:
+        shutil.rmtree(path, ignore_errors=True)
+    return [path for path, _ in abandoned]
 
 
 def install_dataset(tmp: Path, out: Path) -> None:
-    """Move the finished dataset into place; an old one is renamed away, then deleted."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-    os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    shutil.rmtree(old)
+    """Move the finished dataset into place; an old one is renamed away, then deleted.
+
+    SIGINT/SIGTERM wait while the two renames run, so `out` is never left missing by them; a
+    SIGKILL between them leaves the old dataset in `.<out>.<pid>.old.tmp`, which the next start
+    moves back (`remove_abandoned_builds`), as it deletes one a kill during the deletion left.
+    """
+    old = build_path(out, "old")
+    moved = False
+    try:
+        with interrupts_deferred():
+            if out.exists() or out.is_symlink():
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(out, old)
+                moved = True
+            kill_point("install:between-renames")
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                if moved:
+                    os.replace(old, out)
+                    moved = False
+                raise
+    finally:
+        if moved and old.is_symlink():
+            old.unlink()  # `out` was a link to a dataset: the link is replaced, not its target
+        elif moved:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
     """Encode `config.inputs` into a token-shard dataset at `config.out`; return its manifest."""
     out = Path(config.out)
+    remove_abandoned_builds(out)  # first: it may move back a dataset a killed run had set aside
     _check_output(out, config.force)
     for path in config.inputs:
         if not os.path.isfile(path):
@@ -249,7 +301,6 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
     val_index = np.sort(np.random.default_rng(config.seed).choice(total, n_val, replace=False))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_builds(out)
     tmp = Path(
         tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp", dir=out.parent)
     )

@@ -72,7 +72,9 @@ def val_loss(
     if n < 2:
         raise KilnError(f"{dataset_dir}: split {split!r} has {data.n_tokens} tokens, need 2+")
     stride = stride or scorer.block_size
-    (scored,) = scorer.score_documents([data.read(0, n)], stride, desc=f"{split} loss")
+    tokens = data.read(0, n)
+    data.check_ids(tokens, 0, dataset.vocab_size)
+    (scored,) = scorer.score_documents([tokens], stride, desc=f"{split} loss")
     return LossResult(
         source=f"{dataset_dir}:{split}", nats=-scored.logprob, n_tokens=scored.n_tokens,
         n_bytes=None, n_documents=data.n_documents, stride=stride,

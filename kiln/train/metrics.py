@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,19 @@ class MetricsLog:
         if not self.path.is_file():
             return
         text = self.path.read_text(encoding="utf-8")
-        lines = [line for line in text.splitlines() if line.strip()]
-        kept = [line for line in lines if _step_of(line) <= step]
-        if len(kept) == len(lines) and (not text or text.endswith("\n")):
+        numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        kept = []
+        for i, (number, line) in enumerate(numbered):
+            found = _step_of(line)
+            if found is None and i < len(numbered) - 1:  # the last may be torn by a kill: silent
+                print(
+                    f"warning: {self.path}:{number}: not a record with a numeric 'step' "
+                    f"({line[:40]!r}); dropped",
+                    file=sys.stderr,
+                )
+            if found is not None and found <= step:
+                kept.append(line)
+        if len(kept) == len(numbered) and (not text or text.endswith("\n")):
             return
         with atomic_write(self.path) as handle:
             handle.write("".join(line + "\n" for line in kept))
@@ -84,15 +95,27 @@ class MetricsLog:
             kill_point("metrics:before-rename")
 
     def read(self) -> list[dict[str, Any]]:
-        """Every record in the file."""
+        """Every record in the file (a line that is not a JSON object, e.g. torn, is skipped)."""
         if not self.path.is_file():
             return []
-        text = self.path.read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
 
 
-def _step_of(line: str) -> int:
+def _step_of(line: str) -> int | None:
+    """The step of a record line; None for a line that is not a JSON object with an int step."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return 1 << 62  # a torn last line from a crash: drop it
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None  # a torn last line from a crash
+    step = record.get("step", 0) if isinstance(record, dict) else None  # `[]`, `"x"`: None
+    if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step):
+        return None
+    return int(step)

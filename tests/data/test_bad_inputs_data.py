@@ -345,3 +345,28 @@ def test_bad_input_table(capsys, tmp_path, tiny_tokenizer_file, row) -> None:
     capsys.readouterr()
     code, err = _main([*argv, *(["--quiet"] if argv[:2] == ["data", "tokenize"] else [])], capsys)
     assert_one_clear_line(code, err, *names)
+
+
+def test_out_of_range_ids_in_the_bytes_stop_the_loader_when_verification_is_off(
+    build_dataset, monkeypatch
+) -> None:
+    """The manifest's recorded max_id is in range, so opening can't tell; the loader can."""
+    from kiln.data.loader import Loader
+
+    root = build_dataset()
+    _poke(_first_bin(root), 3, 65_535)
+    monkeypatch.setenv("KILN_VERIFY_SHARDS", "0")
+    ds = Dataset.open(root)
+    loader = Loader(ds, "train", seq_len=4, batch_size=2)
+    with pytest.raises(KilnError, match=r"train_000000\.bin: token 3 is id 65535, outside"):
+        for _ in range(loader.n_windows):  # two epochs at least: every window is read
+            loader.next_batch()
+
+
+def test_inspect_without_verification_names_the_shard_of_an_out_of_range_id(
+    capsys, build_dataset
+) -> None:
+    root = build_dataset()
+    _poke(_first_bin(root), 0, 65_535)  # in the sample document (document 0)
+    code, err = _main(["data", "inspect", str(root), "--no-verify"], capsys)
+    assert_one_clear_line(code, err, "train_000000.bin", "token 0 is id 65535")

@@ -129,3 +129,23 @@ def test_scores_do_not_depend_on_the_stream_dtype(tiny: Transformer) -> None:
     (b,) = scorer.score_documents([ids.astype(np.int64).tolist()])
     assert a == b
     assert torch.is_inference_mode_enabled() is False  # scoring leaves the global mode alone
+
+
+def test_val_loss_refuses_out_of_range_ids_when_verification_is_off(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kiln eval --val` on a shard corrupted after writing: one clear error, no IndexError."""
+    import shutil
+
+    from kiln.data.shard_format import HEADER_BYTES
+
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset, copy)
+    shard = copy / "val_000000.bin"
+    data = bytearray(shard.read_bytes())
+    data[HEADER_BYTES + 4 : HEADER_BYTES + 6] = np.array([65_535], np.uint16).tobytes()
+    shard.write_bytes(data)
+    monkeypatch.setenv("KILN_VERIFY_SHARDS", "0")
+    scorer = Scorer(random_tiny(block_size=16), 4, progress=False)
+    with pytest.raises(KilnError, match=r"val_000000\.bin: token 2 is id 65535, outside"):
+        val_loss(scorer, copy)

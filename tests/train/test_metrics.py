@@ -58,3 +58,27 @@ def test_truncate_leaves_the_file_alone_unless_it_drops_something(tmp_path: Path
     assert log.path.stat().st_ino != before.st_ino
     assert [r["step"] for r in log.read()] == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("line", ["[]", '"x"', "42", "null", '{"step": "three"}'])
+def test_a_line_that_is_not_a_record_is_dropped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str
+) -> None:
+    """Valid JSON but not a metrics object: a resume drops it with a warning, never crashes."""
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "loss": 1.0})
+    with log.path.open("a") as handle:
+        handle.write(line + "\n")
+    log.write({"step": 2, "loss": 0.5})
+    log.truncate_after(5)
+    assert [r["step"] for r in log.read()] == [1, 2]
+    err = capsys.readouterr().err
+    assert f"{log.path}:2: not a record" in err and err.count("\n") == 1
+    log.truncate_after(5)  # dropped for good: no second warning
+    assert capsys.readouterr().err == ""
+
+
+def test_read_skips_lines_that_are_not_objects(tmp_path: Path) -> None:
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"step": 1}\n[]\n"x"\n{"step": 2}\n{"step": 3, "te')
+    assert [r["step"] for r in MetricsLog(path).read()] == [1, 2]

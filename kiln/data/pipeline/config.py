@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from kiln import config as cfgio
 from kiln.data.pipeline.decontaminate import DecontamConfig
@@ -209,8 +208,3 @@ def expand_sources(cfg: PipelineConfig) -> list[InputFile]:
             fmt = detect_format(p) if spec.format == "auto" else spec.format
             files.append(InputFile(spec.name, p, fmt, os.path.relpath(p, common)))
     return files
-
-
-def config_as_json(cfg: PipelineConfig) -> dict[str, Any]:
-    """The config as plain data (for the manifest and the run's record)."""
-    return cfgio.to_dict(cfg)

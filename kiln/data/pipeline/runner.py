@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from kiln.data.pipeline.tasks import (
     run_tokenize_task,
 )
 from kiln.data.pipeline.writer import write_dataset
-from kiln.data.tokenize_shards import install_dataset
+from kiln.data.tokenize_shards import build_path, install_dataset, remove_abandoned_builds
 from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
 
@@ -89,6 +88,8 @@ def run_digest(cfg: PipelineConfig) -> str:
 def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool:
     """Check what is on disk; return True when `out` is already this config's finished output."""
     digest = run_digest(cfg)
+    remove_abandoned_builds(out)  # may move back the dataset a killed rebuild had set aside
+    # `.<out>.old.*` (no PID): left by kiln versions before PID-named folders.
     leftovers = sorted(out.parent.glob(f".{out.name}.old.*")) if out.parent.is_dir() else []
     if leftovers and not out.exists():
         raise KilnError(
@@ -422,7 +423,9 @@ def _install(partial: Path, out: Path) -> None:
     """
     work = partial / "work"
     if work.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.work.", dir=out.parent))
-        os.replace(work, trash / "work")
+        trash = build_path(out, "work")  # a kill while deleting it: the next start finishes
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(work, trash)
         shutil.rmtree(trash)
     install_dataset(partial, out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,8 +289,3 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     stats["decontam"] = decontam
     write_json_atomic(task.dir / STATS, stats)
     return stats
-
-
-def task_dirs_exist(workdir: str) -> bool:
-    """Whether a run directory already holds task outputs."""
-    return os.path.isdir(os.path.join(workdir, "filter"))

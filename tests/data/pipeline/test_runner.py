@@ -484,3 +484,24 @@ tokenizer = "{shared_data}/gpt2/vocab.json"
     restarted = subprocess.run(command, capture_output=True, text=True, check=True)
     assert f"filter: {done_before} of " in restarted.stderr  # only the rest was redone
     assert _fingerprint(out) == _fingerprint(tmp_path / "straight")
+
+
+def test_a_dataset_a_killed_rebuild_set_aside_is_restored(
+    corpus: dict[str, Any], baseline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between install's two renames: `out` is missing, the old dataset is in
+    `.out.<pid>.old.tmp`; the next run moves it back (and removes the dead run's work folder)."""
+    import subprocess
+    import sys
+
+    from kiln.data.pipeline import runner
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(gone.stdout)
+    shutil.copytree(baseline, tmp_path / f".ds.{dead}.old.tmp")
+    (tmp_path / f".ds.{dead}.work.tmp").mkdir()
+    monkeypatch.setattr(runner, "run_filter_task", lambda task: pytest.fail("recomputed"))
+    _run(corpus, tmp_path / "ds", workers=1)  # the same config: restored, nothing to do
+    assert _fingerprint(tmp_path / "ds") == _fingerprint(baseline)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
