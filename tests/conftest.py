@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import require_shared
+from tests.fixtures import live_process, require_shared
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -15,3 +15,6 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def shared_data() -> Path:
     """The read-only shared data directory (../shared/data from the repository root)."""
     return require_shared(SHARED_DATA)
+
+
+live_pid = pytest.fixture(live_process)  # another live process's PID, for "kept while alive" cases

@@ -31,7 +31,7 @@ from kiln.data.procs import stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
-from kiln.io import pid_alive, sha256_file
+from kiln.io import abandoned_by, sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
 
@@ -208,12 +208,16 @@ def _check_output(out: Path, force: bool) -> None:
 
 
 def remove_abandoned_builds(out: Path) -> list[Path]:
-    """Delete `.<out>.<pid>.*.tmp` build folders whose process is gone (killed mid-build)."""
+    """Delete `.<out>.<pid>.*.tmp` build folders whose process is gone (killed mid-build).
+
+    One bearing our own PID is a dead predecessor's too (`kiln.io.abandoned_by`): this runs
+    before the build makes its own folder.
+    """
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(\d+)\.[^.]+\.tmp")
     removed = []
     for path in out.parent.glob(f".{out.name}.*.tmp"):
         match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not pid_alive(int(match.group(1))):
+        if match and path.is_dir() and abandoned_by(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
