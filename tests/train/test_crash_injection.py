@@ -211,9 +211,8 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_and_touches_nothing(
     gc.collect()  # the finished Trainer's hold on the lock
     checkpoints = run / "checkpoints"
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        [sys.executable, "-c", HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         live = [
@@ -239,10 +238,13 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_and_touches_nothing(
     assert trainer.step == 6
 
 
+# What a live `kiln train` holds: an exclusive flock on <run_dir>/.lock, its PID inside.
 HOLD_LOCK = """
-import sys, time
-from kiln.io import lock_folder
-hold = lock_folder(sys.argv[1], "kiln train", "run folder")
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.write(fd, f"{os.getpid()}\\n".encode())
 print("locked", flush=True)
 time.sleep(60)
 """

@@ -17,6 +17,7 @@ from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 from kiln.train.config import load_train_config
+from kiln.train.export import remove_abandoned_exports
 from kiln.train.trainer import Trainer
 from tests.fixtures import EOT, dead_pid
 
@@ -130,11 +131,17 @@ def test_export_removes_what_a_killed_export_left(
     run, _ = trained
     dead = dead_pid()  # a process that has exited: its leftovers are abandoned
     ours = os.getpid()  # a dead predecessor that had our PID (PIDs repeat in containers)
-    for name in (f".hf.tmp-{dead}", f".hf.tmp-{ours}", f".hf.tmp-{ours}x", f".hf.tmp-{live_pid}"):
-        (tmp_path / name).mkdir()
     assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    for name in (f".hf.tmp-{dead}", f".hf.old-{ours}", f".hf.tmp-{ours}x", f".hf.tmp-{live_pid}"):
+        (tmp_path / name).mkdir()
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf"), "--force"]) == 0
     # A live process's export may still be running; a non-numeric suffix is not ours.
     kept = sorted([f".hf.tmp-{ours}x", f".hf.tmp-{live_pid}", "hf"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    # Our own PID on a temp folder, seen before this export has written anything: a dead
+    # predecessor's (an export reusing the name would replace it; one refused would not).
+    (tmp_path / f".hf.tmp-{ours}").mkdir()
+    assert remove_abandoned_exports(tmp_path / "hf") == [tmp_path / f".hf.tmp-{ours}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == kept
 
 
