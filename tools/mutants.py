@@ -101,7 +101,24 @@ MUTANTS: dict[str, tuple[str, str, object, list[str], list[str]]] = {
 
 # The test each mutant is expected to be caught by (a node id prefix): caught by another one
 # is a MISMATCH, so a test that starts failing for an unrelated reason is not taken as the catch.
-EXPECTED: dict[str, str] = {}
+REF = "tests/train/test_reference_loop.py::"
+EXPECTED: dict[str, str] = {
+    "lr_schedule_not_applied": REF + "test_trainer_equals_a_hand_written_loop",
+    "grad_clip_off": REF + "test_trainer_equals_a_hand_written_loop",
+    "micro_losses_summed": REF + "test_trainer_equals_a_hand_written_loop",
+    "val_with_dropout": REF + "test_val_loss_equals_kiln_eval_on_the_same_windows",
+    "val_mean_per_batch": REF + "test_val_loss_equals_kiln_eval_on_the_same_windows",
+    "rng_not_restored_on_resume": (
+        "tests/train/test_trainer.py::test_resume_equals_an_uninterrupted_run_bit_for_bit"
+    ),
+    "tokenizer_resume_retrains": "tests/tokenizer/test_train.py::test_resume_equals_uninterrupted",
+    "mixture_shares_ignored": "tests/data/pipeline/test_mixture_shards.py::"
+    "test_each_sources_written_tokens_reach_its_share_within_one_document",
+    "mixture_plan_not_written": "tests/data/pipeline/test_mixture_shards.py::"
+    "test_each_sources_written_tokens_reach_its_share_within_one_document",
+    "gopher_stop_words_off": AGREEMENT_TESTS[0],
+    "gopher_ellipsis_lines_off": AGREEMENT_TESTS[0],
+}
 
 PLUGIN = '''
 """Applies the mutant named by $KILN_MUTANT (written by tools/mutants.py; throwaway)."""
