@@ -132,7 +132,9 @@ def test_sigterm_stops_workers_and_the_rerun_resumes_to_the_same_output(
     assert rc == 130, stderr
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert not (tmp_path / "out").exists()
-    assert len(list(markers.glob("*/stats.json"))) == 2
+    assert len(list(markers.glob("*/stats.json"))) == 2  # what the rerun resumes from
+    if target == "process group":
+        return  # the same state as after the parent's SIGTERM, whose rerun is checked below
 
     resumed = subprocess.run(run_setup, capture_output=True, text=True, check=True)
     assert "filter: 2 of " in resumed.stderr
