@@ -122,9 +122,14 @@ def is_demo_dir(path: Path) -> bool:
     """Whether `path` is a run folder `kiln demo` made (the only kind --force replaces)."""
     if (path / DEMO_MARKER).is_file():
         return True
-    # Folders of kiln versions before the marker: only the demo's own entries, with a tokenizer.
+    # Folders of kiln versions before the marker: only the demo's own entries, with a tokenizer
+    # and what only a demo run makes beside it (a tokenizer.json and data/ alone are any
+    # user's tokenizer work, which --force must not delete).
     names = {entry.name for entry in path.iterdir()}
-    return (path / "tokenizer.json").is_file() and names <= DEMO_ENTRIES
+    made_by_a_run = (path / "train" / "checkpoints").is_dir() or (
+        path / "report" / "summary.json"
+    ).is_file()
+    return (path / "tokenizer.json").is_file() and names <= DEMO_ENTRIES and made_by_a_run
 
 
 def _prepare_out(out: Path, force: bool) -> None:

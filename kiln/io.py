@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import contextlib
+import errno
 import gzip
 import hashlib
 import io
@@ -12,6 +13,8 @@ import os
 import shutil
 import signal
 import tempfile
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -209,9 +212,11 @@ def check_can_replace_dir(
 
     A missing or empty folder is fine. An existing one needs `force`, and even then only a
     folder that `is_ours` recognises as `what` (e.g. "a kiln demo run") is replaced: --force
-    must never delete a user's unrelated directory. A file in the way is an error.
+    must never delete a user's unrelated directory. A file in the way is an error. The hidden
+    trash an earlier, killed replacement of `path` left beside it is removed first.
     """
     target = Path(path)
+    remove_abandoned_trash(target)
     if not target.exists() and not target.is_symlink():
         return False
     if not target.is_dir():
@@ -229,9 +234,11 @@ def remove_dir(path: str | os.PathLike[str]) -> None:
     """Delete a directory tree so that it vanishes at once: renamed out of sight, then deleted.
 
     A kill during the deletion leaves only a hidden `.trash-NAME-PID` folder, never a half
-    folder under the real name.
+    folder under the real name; the next `remove_dir` of that path (or `check_can_replace_dir`)
+    deletes it.
     """
     target = Path(path)
+    remove_abandoned_trash(target)
     trash = target.with_name(f".trash-{target.name}-{os.getpid()}")
     if trash.exists():
         shutil.rmtree(trash)
@@ -240,13 +247,29 @@ def remove_dir(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(trash)
 
 
+def remove_abandoned_trash(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete the `.trash-NAME-PID` folders beside `path` that a killed `remove_dir` left."""
+    target = Path(path)
+    prefix = f".trash-{target.name}-"
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for entry in target.parent.iterdir():
+        pid = entry.name[len(prefix) :]
+        if entry.name.startswith(prefix) and pid.isdigit() and abandoned_by(int(pid)):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
 _kill_point_hits: dict[str, int] = {}
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists on this machine (a leftover of a live process is kept)."""
-    if pid == os.getpid():
-        return True
+    """Whether process `pid` exists on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -254,6 +277,86 @@ def pid_alive(pid: int) -> bool:
     except OSError:  # e.g. PermissionError: it exists, but is someone else's
         return True
     return True
+
+
+def abandoned_by(pid: int) -> bool:
+    """Whether a leftover named with `pid` is abandoned: that process is gone, or it is us.
+
+    Cleanups run at a command's start, before this process has written anything, so a leftover
+    bearing our own PID was left by a dead predecessor that had the same PID (PIDs repeat, e.g.
+    in a restarted container whose trainer is PID 7 again).
+    """
+    return pid == os.getpid() or not pid_alive(pid)
+
+
+LOCK_NAME = ".lock"
+# Real path of a lock file this process holds -> [its descriptor, holders in this process].
+_held_locks: dict[str, list[int]] = {}
+
+
+class FolderLock:
+    """This process's hold on a folder's lock (see `lock_folder`); dropped by `release`,
+    when the object is collected, or by the OS when the process ends."""
+
+    def __init__(self, key: str) -> None:
+        self._finalizer = weakref.finalize(self, _drop_lock, key)
+
+    def release(self) -> None:
+        """Let go of the lock (the last holder in this process unlocks the file)."""
+        self._finalizer()
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _drop_lock(key: str) -> None:
+    entry = _held_locks.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held_locks[key]
+        os.close(entry[0])  # closing the descriptor releases the flock
+
+
+def lock_folder(folder: str | os.PathLike[str], user: str, kind: str = "folder") -> FolderLock:
+    """Hold an exclusive lock on `folder/.lock` (created, with our PID in it) while the result lives.
+
+    Another process holding it is one KilnError naming it, e.g. "run folder X is in use by
+    another kiln train (pid N)". Within one process the lock is shared, so a process never locks
+    itself out. On a filesystem without flock the folder is used unlocked.
+    """
+    import fcntl
+
+    path = Path(folder) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(path)
+    if key in _held_locks:
+        _held_locks[key][1] += 1
+        return FolderLock(key)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise KilnError(
+            f"{kind} {os.fspath(folder)} is in use by another {user}{pid}; wait for it to end "
+            "or stop it first"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise KilnError(f"{path}: cannot lock it ({exc.strerror})") from None
+        return FolderLock(key)  # no locking on this filesystem: nothing to hold
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    _held_locks[key] = [fd, 1]
+    return FolderLock(key)
 
 
 def kill_point(name: str) -> None:
@@ -267,6 +370,21 @@ def kill_point(name: str) -> None:
     _kill_point_hits[name] = _kill_point_hits.get(name, 0) + 1
     if _kill_point_hits[name] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_point(name: str) -> None:
+    """Pause here when KILN_TEST_WAIT_AT is `name`: write `<pid>.ready` into $KILN_TEST_WAIT_DIR
+    and wait until a file `go` appears there.
+
+    The tests' hook for catching a run at a known moment (without racing it); without that
+    variable it does nothing.
+    """
+    if os.environ.get("KILN_TEST_WAIT_AT") != name:
+        return
+    folder = Path(os.environ["KILN_TEST_WAIT_DIR"])
+    (folder / f"{os.getpid()}.ready").touch()
+    while not (folder / "go").exists():
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import require_shared
+from tests.fixtures import live_process, require_shared
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 _test_numbers = itertools.count()
@@ -34,3 +34,6 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def _test_cache(_session_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache of each test's own (made when first written), so no test sees another's stamps."""
     monkeypatch.setenv("KILN_CACHE_DIR", str(_session_cache / f"t{next(_test_numbers)}"))
+
+
+live_pid = pytest.fixture(live_process)  # another live process's PID, for "kept while alive" cases

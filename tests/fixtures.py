@@ -52,3 +52,32 @@ def tiny_story_dataset(source: Path, root: Path, n_chars: int, val_docs: int = 4
         )
     )  # fmt: skip
     return out
+
+
+def dead_pid() -> int:
+    """The PID of a process that has exited (what a killed run's leftovers are named with)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(done.stdout)
+
+
+def live_process() -> Iterator[int]:
+    """The PID of another live process for the test's duration (wrap with pytest.fixture).
+
+    Not the test's own PID: a cleanup at a command's start takes our own PID for a dead
+    predecessor's (PIDs repeat in containers).
+    """
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield child.pid
+    finally:
+        child.kill()
+        child.wait()

@@ -105,6 +105,24 @@ def test_demo_force_replaces_a_demo_run_folder(tmp_path: Path, layout: str) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no trash left behind
 
 
+def test_demo_force_keeps_a_tokenizer_folder_that_no_demo_run_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only a tokenizer.json and data/ (a user's tokenizer work) is not an older demo's folder:
+    that needs train/checkpoints or report/summary.json beside them."""
+    out = tmp_path / "mytok"
+    (out / "data").mkdir(parents=True)
+    (out / "tokenizer.json").write_text("{}")
+    (out / "data" / "corpus.txt").write_text("mine")
+    argv = ["demo", "--steps", "1", "--out", str(out), "--force"]
+    _fails_with_one_line(argv, capsys, str(out), "is not a kiln demo run folder")
+    assert (out / "data" / "corpus.txt").read_text() == "mine"
+    (out / "report").mkdir()
+    (out / "report" / "summary.json").write_text("{}")  # now it is what an older demo left
+    _prepare_out(out, force=True)
+    assert sorted(p.name for p in out.iterdir()) == [DEMO_MARKER]
+
+
 def test_file_outputs_refuse_a_directory_even_with_force(
     precious: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

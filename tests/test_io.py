@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kiln.errors import KilnError
-from kiln.io import atomic_write, check_can_write, open_binary
+from kiln.io import (
+    abandoned_by,
+    atomic_write,
+    check_can_replace_dir,
+    check_can_write,
+    lock_folder,
+    open_binary,
+    pid_alive,
+    remove_dir,
+)
+from tests.fixtures import dead_pid
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path) -> None:
@@ -61,3 +76,63 @@ def test_jsonl_errors_name_file_and_line(tmp_path) -> None:
     path.write_bytes(b"{not json\n")
     with pytest.raises(KilnError, match=r"d\.jsonl:1: invalid JSON"):
         list(iter_jsonl_texts(path))
+
+
+HOLD = """
+import sys, time
+from kiln.io import lock_folder
+hold = lock_folder(sys.argv[1], "kiln train", "run folder")
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_folder_lock_held_by_another_process_is_one_clear_error_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(KilnError, match=rf"in use by another kiln train \(pid {holder.pid}\)"):
+            lock_folder(tmp_path, "kiln train", "run folder")
+    finally:
+        holder.kill()
+        holder.wait()
+    with lock_folder(tmp_path, "kiln train") as hold:  # the OS dropped the dead holder's lock
+        assert lock_folder(tmp_path, "kiln train") is not hold  # shared within one process
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    # Released: another process can take it now.
+    again = subprocess.run(
+        [sys.executable, "-c", HOLD.replace("time.sleep(60)", ""), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert again.stdout.strip() == "locked", again.stderr
+
+
+def test_remove_dir_and_the_next_replacement_clear_a_killed_removals_trash(
+    tmp_path: Path, live_pid: int
+) -> None:
+    """`remove_dir` killed mid-deletion leaves `.trash-NAME-PID`: the next `kiln demo` (its
+    check) or `remove_dir` of that name deletes it once that process is gone."""
+    target = tmp_path / "demo"
+    dead, live = tmp_path / f".trash-demo-{dead_pid()}", tmp_path / f".trash-demo-{live_pid}"
+    other = tmp_path / f".trash-other-{dead_pid()}"  # another folder's: not this name's
+    for path in (dead, live, other):
+        (path / "sub").mkdir(parents=True)
+    check_can_replace_dir(target, False, lambda p: True, "x")  # `kiln demo` without --force
+    assert not dead.exists() and live.is_dir() and other.is_dir()
+    (dead / "sub").mkdir(parents=True)
+    (target / "f").parent.mkdir()
+    (target / "f").write_text("x")
+    remove_dir(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def test_a_leftover_bearing_our_own_pid_is_abandoned(live_pid: int) -> None:
+    assert abandoned_by(os.getpid())  # cleanups run before this process wrote anything
+    assert abandoned_by(dead_pid())
+    assert not abandoned_by(live_pid)
+    assert pid_alive(os.getpid()) and pid_alive(live_pid)

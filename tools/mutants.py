@@ -2,8 +2,9 @@
 
 Each mutant is a small monkeypatch applied inside the pytest process by a throwaway plugin
 (`-p kiln_mutant_plugin`, written to a temporary directory); nothing in the repository changes.
-For each mutant the relevant default tests run with `-x`; the report says which test failed
-("caught by …") or SURVIVED. A mutant whose target no longer exists (a function renamed, a line
+First each distinct test selection runs once unmutated and must pass (else BASELINE FAILS,
+exit 1). Then for each mutant the relevant default tests run with `-x`; the report says which
+test failed ("caught by …"; MISMATCH when it is not the test EXPECTED names) or SURVIVED. A mutant whose target no longer exists (a function renamed, a line
 rewritten) is an ERROR, never a survivor: update its row in MUTANTS.
 
 Two kinds of mutation, both named by "module:Qualified.name":
@@ -98,6 +99,27 @@ MUTANTS: dict[str, tuple[str, str, object, list[str], list[str]]] = {
     ),
 }  # fmt: skip
 
+# The test each mutant is expected to be caught by (a node id prefix): caught by another one
+# is a MISMATCH, so a test that starts failing for an unrelated reason is not taken as the catch.
+REF = "tests/train/test_reference_loop.py::"
+EXPECTED: dict[str, str] = {
+    "lr_schedule_not_applied": REF + "test_trainer_equals_a_hand_written_loop",
+    "grad_clip_off": REF + "test_trainer_equals_a_hand_written_loop",
+    "micro_losses_summed": REF + "test_trainer_equals_a_hand_written_loop",
+    "val_with_dropout": REF + "test_val_loss_equals_kiln_eval_on_the_same_windows",
+    "val_mean_per_batch": REF + "test_val_loss_equals_kiln_eval_on_the_same_windows",
+    "rng_not_restored_on_resume": (
+        "tests/train/test_trainer.py::test_resume_equals_an_uninterrupted_run_bit_for_bit"
+    ),
+    "tokenizer_resume_retrains": "tests/tokenizer/test_train.py::test_resume_equals_uninterrupted",
+    "mixture_shares_ignored": "tests/data/pipeline/test_mixture_shards.py::"
+    "test_each_sources_written_tokens_reach_its_share_within_one_document",
+    "mixture_plan_not_written": "tests/data/pipeline/test_mixture_shards.py::"
+    "test_each_sources_written_tokens_reach_its_share_within_one_document",
+    "gopher_stop_words_off": AGREEMENT_TESTS[0],
+    "gopher_ellipsis_lines_off": AGREEMENT_TESTS[0],
+}
+
 PLUGIN = '''
 """Applies the mutant named by $KILN_MUTANT (written by tools/mutants.py; throwaway)."""
 import importlib, inspect, json, os, textwrap
@@ -153,28 +175,56 @@ def pytest_runtest_logreport(report):
 '''
 
 
-def run_mutant(
-    name: str, plugin_dir: Path, override: list[str] | None = None
-) -> tuple[str, str, float]:
-    """Run one mutant's tests (or the pytest arguments `override`): (status, detail, seconds)."""
-    target, kind, change, tests, extra = MUTANTS[name]
-    if override:
-        tests, extra = override, []
-    report = plugin_dir / f"{name}.report"
-    report.unlink(missing_ok=True)
+def _pytest(
+    tests: list[str], extra: list[str], plugin_dir: Path, env_extra: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the default (not slow) tests `tests` with `-x`; the mutant plugin when one is set."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
             [str(plugin_dir), str(ROOT), os.environ.get("PYTHONPATH", "")]
         ),
-        "KILN_MUTANT": json.dumps({"target": target, "kind": kind, "change": change}),
-        "KILN_MUTANT_REPORT": str(report),
+        **env_extra,
     }
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "kiln_mutant_plugin",
+    plugin = ["-p", "kiln_mutant_plugin"] if "KILN_MUTANT" in env_extra else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", *plugin,
            "-p", "no:cacheprovider", *extra, *tests]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
+    return proc, time.perf_counter() - started
+
+
+def selection(name: str, override: list[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The (tests, extra pytest arguments) mutant `name` runs."""
+    _, _, _, tests, extra = MUTANTS[name]
+    return (tuple(override), ()) if override else (tuple(tests), tuple(extra))
+
+
+def run_baseline(
+    tests: tuple[str, ...], extra: tuple[str, ...], plugin_dir: Path
+) -> tuple[bool, str, float]:
+    """Run a selection unmutated: (whether it passed, its last line, seconds).
+
+    A mutant is only "caught" by a failure the unmutated code does not have.
+    """
+    proc, seconds = _pytest(list(tests), list(extra), plugin_dir, {})
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    return proc.returncode == 0 and " passed" in proc.stdout, last[0], seconds
+
+
+def run_mutant(
+    name: str, plugin_dir: Path, override: list[str] | None = None
+) -> tuple[str, str, float]:
+    """Run one mutant's tests (or the pytest arguments `override`): (status, detail, seconds)."""
+    target, kind, change, _, _ = MUTANTS[name]
+    tests, extra = selection(name, override)
+    report = plugin_dir / f"{name}.report"
+    report.unlink(missing_ok=True)
+    env_extra = {
+        "KILN_MUTANT": json.dumps({"target": target, "kind": kind, "change": change}),
+        "KILN_MUTANT_REPORT": str(report),
+    }
+    proc, seconds = _pytest(list(tests), list(extra), plugin_dir, env_extra)
     lines = report.read_text().splitlines() if report.exists() else []
     records = [json.loads(line) for line in lines if line.strip()]
     errors = [r["error"] for r in records if "error" in r]
@@ -182,7 +232,11 @@ def run_mutant(
         return "ERROR", errors[0], seconds
     failed = [r for r in records if "failed" in r]
     if failed:
-        return "caught", f"{failed[0]['failed']}  ({failed[0]['why']})", seconds
+        caught_by = failed[0]["failed"]
+        expected = EXPECTED.get(name)
+        if override is None and expected is not None and not caught_by.startswith(expected):
+            return "MISMATCH", f"{caught_by}, expected {expected}  ({failed[0]['why']})", seconds
+        return "caught", f"{caught_by}  ({failed[0]['why']})", seconds
     if proc.returncode == 5 or " passed" not in proc.stdout:  # nothing ran: not a survivor either
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return "ERROR", f"no test ran (rc {proc.returncode}): {' | '.join(tail)}", seconds
@@ -208,6 +262,14 @@ def main(argv: list[str]) -> int:
         plugin_dir = Path(tmp)
         (plugin_dir / "kiln_mutant_plugin.py").write_text(PLUGIN)
         width = max(map(len, names))
+        # Each distinct selection once, unmutated: a test that already fails would "catch" all.
+        for tests, extra in dict.fromkeys(selection(n, override) for n in names):
+            passed, last, seconds = run_baseline(tests, extra, plugin_dir)
+            label = " ".join([*extra, *tests])
+            print(f"{'baseline':<{width}}  {seconds:6.1f}s  {label}: {last}", flush=True)
+            if not passed:
+                print(f"BASELINE FAILS: {label} fails unmutated; fix it first", flush=True)
+                return 1
         for name in names:
             status, detail, seconds = run_mutant(name, plugin_dir, override)
             bad += status != "caught"

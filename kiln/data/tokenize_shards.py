@@ -39,7 +39,7 @@ from kiln.data.procs import interrupts_deferred, stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
-from kiln.io import kill_point, pid_alive, sha256_file
+from kiln.io import abandoned_by, kill_point, sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
 
@@ -226,6 +226,9 @@ def build_path(out: Path, kind: str) -> Path:
 def remove_abandoned_builds(out: Path) -> list[Path]:
     """Clear what killed builds of `out` left: `.<out>.<pid>.*.tmp` folders of dead processes.
 
+    One bearing our own PID is a dead predecessor's too (`kiln.io.abandoned_by`): this runs
+    before the build makes its own folder.
+
     One exception: when `out` is missing but such a process had moved the old dataset aside
     (`.<out>.<pid>.old.tmp`, killed between the two renames of `install_dataset`), that folder
     is moved back to `out` instead of being deleted. Returns the deleted folders.
@@ -236,7 +239,7 @@ def remove_abandoned_builds(out: Path) -> list[Path]:
     abandoned: list[tuple[Path, str]] = []
     for path in sorted(out.parent.glob(f".{out.name}.*.tmp")):
         match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not path.is_symlink() and not pid_alive(int(match[1])):
+        if match and path.is_dir() and not path.is_symlink() and abandoned_by(int(match[1])):
             abandoned.append((path, match[2]))
     olds = [path for path, kind in abandoned if kind == "old"]
     if olds and not out.exists() and not out.is_symlink():

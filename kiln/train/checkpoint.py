@@ -7,7 +7,9 @@ resolved config. It is written under a temporary name (`.tmp-step_N-PID`, state.
 renamed, so a reader never sees half of one; `checkpoints/latest` (a one-line text file) names the
 newest complete one. Pruning renames a checkpoint out of sight (`.trash-step_N-PID`) before
 deleting it. Only complete directories (all three files) are listed as checkpoints, and
-`clean_leftovers` removes what a killed run left behind (trash, temp folders of dead processes).
+`clean_leftovers` removes what a killed run left behind (trash, temp folders of dead processes)
+but never a `step_<N>` holding weights. The run's main process holds `<run_dir>/.lock` (flock)
+while it trains, so a second trainer on the same folder is refused before it tidies.
 
 The files are the same whether one process, DDP or FSDP2 trained: a sharded model's tensors are
 gathered to rank 0 (torch.distributed.checkpoint.state_dict, full state dicts) before writing,
@@ -43,7 +45,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln import __version__
 from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
-from kiln.io import atomic_write, kill_point, pid_alive, write_json_atomic
+from kiln.io import abandoned_by, atomic_write, kill_point, write_json_atomic
 
 STATE_FORMAT = "kiln.checkpoint"
 STATE_VERSION = 1
@@ -270,32 +272,42 @@ def prune(checkpoints: Path, keep_last: int) -> None:
             shutil.rmtree(trash)
 
 
-def clean_leftovers(checkpoints: Path) -> list[str]:
-    """Remove what killed runs left in `checkpoints`; returns the names removed.
+def clean_leftovers(checkpoints: Path) -> tuple[list[str], list[str]]:
+    """Remove what killed runs left in `checkpoints`: (names removed, incomplete steps kept).
 
-    That is: trash folders, temp folders (and `latest` temp files) of processes that are gone,
-    and partial `step_<N>` folders (older kilns pruned in place) other than the one `latest`
-    names, which is left for its clear error. Call it from the run's one main process, at start.
+    Removed: trash and temp folders of processes that are gone (or bore our own PID: see
+    `kiln.io.abandoned_by`), `latest` temp files, and `step_<N>` folders holding nothing of
+    value (empty, or only `optimizer.pt` / `state.json`: what older kilns' in-place pruning
+    left). A `step_<N>` that still holds `model.safetensors` is never deleted, complete or not
+    (a user may have removed optimizer.pt to save disk): it stays, is not listed as a
+    checkpoint, and is returned among the kept. Nothing is done to the one `latest` names (it
+    gets its clear error). Call it from the run's one main process, at start, holding the run
+    lock (`kiln.io.lock_folder`): trash and `latest` temp files are removed whatever their
+    PID, which is only safe while no other trainer can use the folder.
     """
     if not checkpoints.is_dir():
-        return []
+        return [], []
     pointer = checkpoints / LATEST
     named = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-    removed = []
+    removed, kept = [], []
     for entry in sorted(checkpoints.iterdir()):
         name = entry.name
         if name.startswith(_TRASH_PREFIX):
-            doomed = True
+            doomed = True  # on its way out; the run lock keeps any live trainer away
         elif name.startswith(_TMP_PREFIX):
             pid = name.rpartition("-")[2]
-            doomed = not (pid.isdigit() and pid_alive(int(pid)))
+            doomed = not pid.isdigit() or abandoned_by(int(pid))
         elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
             doomed = True  # atomic_write's temp file for the pointer
+        elif name.startswith("step_") and name[5:].isdigit() and entry.is_dir():
+            if name == named or is_complete(entry):
+                continue
+            if (entry / "model.safetensors").exists():
+                kept.append(name)
+                continue
+            doomed = all(p.name in FILES and p.is_file() for p in entry.iterdir())
         else:
-            doomed = (
-                name.startswith("step_") and entry.is_dir() and name != named
-                and not is_complete(entry)
-            )  # fmt: skip
+            doomed = False
         if not doomed:
             continue
         if entry.is_dir() and not entry.is_symlink():
@@ -303,7 +315,7 @@ def clean_leftovers(checkpoints: Path) -> list[str]:
         else:
             entry.unlink(missing_ok=True)
         removed.append(name)
-    return removed
+    return removed, kept
 
 
 def tidy(checkpoints: Path, keep_last: int | None) -> list[str]:
@@ -312,7 +324,14 @@ def tidy(checkpoints: Path, keep_last: int | None) -> list[str]:
     A kill during the pruning after the final save would otherwise leave the extra checkpoints
     forever (a resume with nothing to do saves nothing, so never prunes). Returns notes.
     """
-    notes = [f"removed leftover {name} from {checkpoints}" for name in clean_leftovers(checkpoints)]
+    removed, kept = clean_leftovers(checkpoints)
+    notes = [f"removed leftover {name} from {checkpoints}" for name in removed]
+    for name in kept:
+        missing = [f for f in FILES if not (checkpoints / name / f).is_file()]
+        notes.append(
+            f"{checkpoints / name} is incomplete (no {', '.join(missing)}): not a checkpoint, "
+            "left in place"
+        )
     if keep_last is not None:
         prune(checkpoints, keep_last)
     return notes
@@ -324,7 +343,6 @@ def _trash_name(path: Path) -> Path:
     if trash.exists():
         shutil.rmtree(trash)
     return trash
-    return True
 
 
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:

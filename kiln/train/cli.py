@@ -113,9 +113,18 @@ def run_export(args: argparse.Namespace) -> int:
     """Export a checkpoint and say what was written."""
     from kiln.io import check_can_replace_dir
     from kiln.loading import load_checkpoint
-    from kiln.train.export import EXPORT_KIND, ExportSource, describe, export_hf, is_export_dir
+    from kiln.train.export import (
+        EXPORT_KIND,
+        ExportSource,
+        describe,
+        export_hf,
+        is_export_dir,
+        remove_abandoned_exports,
+    )
 
-    # Before loading, not after: a folder export may not replace fails at once.
+    # Before loading, not after: a folder export may not replace fails at once (and one a
+    # killed export had moved aside is back in place first).
+    remove_abandoned_exports(Path(args.hf))
     check_can_replace_dir(Path(args.hf), args.force, is_export_dir, EXPORT_KIND)
     loaded = load_checkpoint(args.run, args.step, args.tokenizer)
     source = ExportSource(

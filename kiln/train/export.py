@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.io import check_can_replace_dir, pid_alive, write_json_atomic
+from kiln.io import abandoned_by, check_can_replace_dir, write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
 
@@ -92,6 +92,7 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     from kiln.model.hf import config_to_hf, save_hf_dir
 
     out = Path(out)
+    remove_abandoned_exports(out)  # first: a previous export it restores needs --force too
     check_can_replace_dir(out, force, is_export_dir, EXPORT_KIND)
     model, tok, tok_path, eos_token = (
         source.model, source.tokenizer, source.tokenizer_path, source.eos_token
@@ -105,7 +106,6 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     eos_id = tok.special_tokens[eos_token]
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_exports(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -135,16 +135,25 @@ def is_export_dir(path: Path) -> bool:
 
 
 def remove_abandoned_exports(out: Path) -> list[Path]:
-    """Delete `.<out>.tmp-PID` / `.<out>.old-PID` folders an export killed mid-write left."""
+    """Tidy the `.<out>.tmp-PID` / `.<out>.old-PID` folders an export killed mid-write left.
+
+    A temp folder is deleted. An old one is the previous export moved aside: deleted when `out`
+    is there (the new one was installed), renamed back to `out` when it is not (the kill came
+    between `_replace`'s two renames), so the user's export is never lost. Returns the deleted.
+    """
     removed = []
-    for path in out.parent.glob(f".{out.name}.*-*"):
+    for path in sorted(out.parent.glob(f".{out.name}.*-*")):
         kind, _, pid = path.name[len(out.name) + 2 :].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and not pid_alive(int(pid)):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            removed.append(path)
+        if kind not in ("tmp", "old") or not pid.isdigit() or not abandoned_by(int(pid)):
+            continue
+        if kind == "old" and not out.exists() and not out.is_symlink():
+            path.rename(out)
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
     return removed
 
 

@@ -47,7 +47,7 @@ from kiln import config as cfgio
 from kiln.data import Dataset, Loader, LoaderCursor
 from kiln.devices import Precision, choose_precision, resolve_device
 from kiln.errors import KilnError
-from kiln.io import atomic_write
+from kiln.io import atomic_write, lock_folder
 from kiln.model import ModelConfig, Transformer
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
@@ -130,6 +130,9 @@ class Trainer:
         saved = self._find_resume_point(resume)
         self.precision = self._choose_precision(saved)
         if self.dist.is_main:  # what a killed run left: temp/trash folders, an unfinished prune
+            # Held while this Trainer lives (the OS drops it if the process dies): a second
+            # trainer on this folder would delete the live run's temp files in its tidy.
+            self._run_lock = lock_folder(self.run_dir, "kiln train", "run folder")
             self.notes += ckpt.tidy(self.checkpoints, cfg.checkpoint.keep_last if saved else None)
 
         if self.device.type == "cuda":  # TF32 matmuls: fp32 range, ~10-bit mantissa, far faster

@@ -24,7 +24,7 @@ def _tokenize(tok: Path, inputs: list[Path], out: Path, *extra: str) -> int:
 
 
 def test_a_killed_runs_build_folder_is_removed_by_the_next_run(
-    shared_data: Path, tmp_path: Path, tiny_tokenizer_file: Path
+    shared_data: Path, tmp_path: Path, tiny_tokenizer_file: Path, live_pid: int
 ) -> None:
     out = tmp_path / "ds"
     command = [sys.executable, "-m", "kiln.cli", "data", "tokenize"]
@@ -39,8 +39,10 @@ def test_a_killed_runs_build_folder_is_removed_by_the_next_run(
     assert proc.wait() == -signal.SIGKILL, "tokenize finished before it could be killed"
     leftovers = list(tmp_path.glob(".ds.*.tmp"))
     assert len(leftovers) == 1 and f".{proc.pid}." in leftovers[0].name
-    live = tmp_path / f".ds.{os.getpid()}.abcd1234.tmp"  # a build still running: kept
+    live = tmp_path / f".ds.{live_pid}.abcd1234.tmp"  # a build still running: kept
     live.mkdir()
+    # Our own PID on a leftover: a dead predecessor's (PIDs repeat), removed.
+    (tmp_path / f".ds.{os.getpid()}.abcd1234.tmp").mkdir()
 
     small = tmp_path / "a.txt"
     small.write_text(f"one document\n{EOT}\nanother\n{EOT}\n", encoding="utf-8")

@@ -8,6 +8,7 @@ trash folder (and finishes a prune the kill cut short).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from kiln.errors import KilnError
 from kiln.loading import find_checkpoint
 from kiln.train import checkpoint as ckpt
 from kiln.train.trainer import Trainer
+from tests.fixtures import dead_pid
 
 from .conftest import CONFIGS, MakeConfig
 
@@ -149,24 +151,30 @@ def test_a_kill_while_truncating_metrics_keeps_the_history(
     assert [r["step"] for r in trainer.metrics.read()] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_partial_step_directory_is_not_a_checkpoint_and_is_removed_at_start(
-    make_config: MakeConfig, tmp_path: Path
+def test_an_incomplete_step_directory_is_not_a_checkpoint_and_its_weights_are_kept(
+    make_config: MakeConfig, tmp_path: Path, live_pid: int
 ) -> None:
-    """What older kilns left when killed mid-prune: step_N with only some of its files."""
+    """A user who deleted optimizer.pt to save disk keeps the weights; what older kilns left
+    when killed mid-prune (nothing, or only a partial state) is removed at start, as are the
+    temp folders of processes that are gone or bear our own PID (a dead predecessor's)."""
     cfg = make_config(*BASE)
     Trainer(cfg, cfg.logging.run_dir).run()
     run = Path(cfg.logging.run_dir)
     checkpoints = run / "checkpoints"
-    partial = checkpoints / "step_2"
-    partial.mkdir()
-    (partial / "state.json").write_bytes((checkpoints / "step_4" / "state.json").read_bytes())
-    (partial / "model.safetensors").write_bytes(b"")  # its optimizer.pt already deleted
-    alive = checkpoints / f".tmp-step_8-{os.getpid()}"  # a save in progress in a live process
+    weights = checkpoints / "step_2"  # complete once, then its optimizer.pt deleted by the user
+    weights.mkdir()
+    for name in ("model.safetensors", "state.json"):
+        (weights / name).write_bytes((checkpoints / "step_4" / name).read_bytes())
+    (checkpoints / "step_1").mkdir()  # older kilns' in-place prune: emptied...
+    (checkpoints / "step_3").mkdir()  # ...or down to its state
+    (checkpoints / "step_3" / "optimizer.pt").write_bytes(b"")
+    (checkpoints / "step_3" / "state.json").write_bytes(b"{}")
+    alive = checkpoints / f".tmp-step_8-{live_pid}"  # a save in progress in a live process
     alive.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    gone = checkpoints / f".tmp-step_8-{dead.stdout.strip()}"
+    gone = checkpoints / f".tmp-step_8-{dead_pid()}"
     gone.mkdir()
+    ours = checkpoints / f".tmp-step_9-{os.getpid()}"  # a dead predecessor with our PID
+    ours.mkdir()
     (checkpoints / ".latest.abc123.tmp").write_text("step_")
 
     assert [s for s, _ in ckpt.list_checkpoints(checkpoints)] == [4, 6]
@@ -177,7 +185,66 @@ def test_a_partial_step_directory_is_not_a_checkpoint_and_is_removed_at_start(
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         alive.name,
         "latest",
+        "step_2",
         "step_4",
         "step_6",
     ]
-    assert any(".tmp-step_8-" in note and dead.stdout.strip() in note for note in trainer.notes)
+    assert sorted(p.name for p in weights.iterdir()) == ["model.safetensors", "state.json"]
+    assert [s for s, _ in ckpt.list_checkpoints(checkpoints)] == [4, 6]
+    assert any(gone.name in note for note in trainer.notes)
+    assert any(ours.name in note for note in trainer.notes)
+    assert f"{weights} is incomplete (no optimizer.pt): not a checkpoint, left in place" in (
+        trainer.notes
+    )
+    trainer.run()  # prunes with keep_last, and never the kept weights
+    assert (weights / "model.safetensors").is_file()
+
+
+def test_a_second_trainer_on_a_live_run_folder_is_refused_and_touches_nothing(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """The run lock: while another process trains in the folder (here: holds its lock), a
+    second trainer says so in one error and deletes none of the live run's temp files."""
+    cfg = make_config(*BASE)
+    run = Path(cfg.logging.run_dir)
+    Trainer(cfg, run).run()
+    gc.collect()  # the finished Trainer's hold on the lock
+    checkpoints = run / "checkpoints"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        live = [
+            checkpoints / f".tmp-step_8-{holder.pid}",
+            checkpoints / f".trash-step_2-{holder.pid}",
+        ]
+        for path in live:
+            path.mkdir()
+        (checkpoints / ".latest.live.tmp").write_text("step_")
+        with pytest.raises(KilnError) as refused:
+            Trainer(cfg, run, resume=True)
+        assert str(refused.value) == (
+            f"run folder {run} is in use by another kiln train (pid {holder.pid}); "
+            "wait for it to end or stop it first"
+        )
+        assert all(path.is_dir() for path in live)
+        assert (checkpoints / ".latest.live.tmp").is_file()
+    finally:
+        holder.kill()
+        holder.wait()
+    trainer = Trainer(cfg, run, resume=True)  # the holder is gone: the lock went with it
+    assert _hidden(checkpoints) == []
+    assert trainer.step == 6
+
+
+# What a live `kiln train` holds: an exclusive flock on <run_dir>/.lock, its PID inside.
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("locked", flush=True)
+time.sleep(60)
+"""

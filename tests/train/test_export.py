@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +17,9 @@ from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 from kiln.train.config import load_train_config
+from kiln.train.export import remove_abandoned_exports
 from kiln.train.trainer import Trainer
-from tests.fixtures import EOT
+from tests.fixtures import EOT, dead_pid
 
 from .conftest import CONFIGS, MakeConfig
 
@@ -127,18 +126,44 @@ def test_export_refuses_an_existing_directory_unless_forced(
 
 
 def test_export_removes_what_a_killed_export_left(
-    trained: tuple[Path, Transformer], tmp_path: Path
+    trained: tuple[Path, Transformer], tmp_path: Path, live_pid: int
 ) -> None:
     run, _ = trained
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    dead = int(gone.stdout)  # a process that has exited: its leftovers are abandoned
-    for name in (f".hf.tmp-{dead}", f".hf.old-{dead}", f".hf.tmp-{os.getpid()}x", ".hf.tmp-1"):
-        (tmp_path / name).mkdir()
+    dead = dead_pid()  # a process that has exited: its leftovers are abandoned
+    ours = os.getpid()  # a dead predecessor that had our PID (PIDs repeat in containers)
     assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
-    # PID 1 is alive (its export may still be running) and a non-numeric suffix is not ours.
-    kept = sorted([f".hf.tmp-{os.getpid()}x", ".hf.tmp-1", "hf"])
+    for name in (f".hf.tmp-{dead}", f".hf.old-{ours}", f".hf.tmp-{ours}x", f".hf.tmp-{live_pid}"):
+        (tmp_path / name).mkdir()
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf"), "--force"]) == 0
+    # A live process's export may still be running; a non-numeric suffix is not ours.
+    kept = sorted([f".hf.tmp-{ours}x", f".hf.tmp-{live_pid}", "hf"])
     assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    # Our own PID on a temp folder, seen before this export has written anything: a dead
+    # predecessor's (an export reusing the name would replace it; one refused would not).
+    (tmp_path / f".hf.tmp-{ours}").mkdir()
+    assert remove_abandoned_exports(tmp_path / "hf") == [tmp_path / f".hf.tmp-{ours}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+
+
+def test_a_previous_export_moved_aside_by_a_killed_export_is_restored(
+    trained: tuple[Path, Transformer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed inside the swap, between moving the old export aside and renaming the new one in:
+    the next export puts the old one back (and needs --force to replace it, as ever)."""
+    run, _ = trained
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--hf", str(out), "--step", "4"]) == 0
+    out.rename(tmp_path / f".hf.old-{dead_pid()}")
+    (tmp_path / f".hf.tmp-{dead_pid()}").mkdir()  # the new one, never renamed in
+    assert main(["export", str(run), "--hf", str(out), "--step", "2"]) == 2
+    assert "already exists and is not empty; pass --force" in capsys.readouterr().err
+    assert json.loads((out / "kiln_export.json").read_text())["step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    # Killed after the new one was renamed in: the old one is only deleted.
+    (tmp_path / f".hf.old-{dead_pid()}").mkdir()
+    assert main(["export", str(run), "--hf", str(out), "--step", "2", "--force"]) == 0
+    assert json.loads((out / "kiln_export.json").read_text())["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def test_export_of_a_missing_step_names_the_saved_ones(

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kiln.data.procs import stop_pool, worker_init
 from kiln.errors import KilnError
+from kiln.io import wait_point
 
 
 class Executor(Protocol):
@@ -97,7 +98,7 @@ class LocalExecutor:
             )
             try:
                 futures: dict[Future[Any], int] = {
-                    pool.submit(fn, task): i for i, task in enumerate(tasks)
+                    pool.submit(_pool_task, fn, task): i for i, task in enumerate(tasks)
                 }
                 pending = set(futures)
                 while pending:
@@ -114,6 +115,13 @@ class LocalExecutor:
 
     def close(self) -> None:
         """Nothing to release: pools live only inside `map`."""
+
+
+def _pool_task(fn: Callable[[Any], Any], task: Any) -> Any:
+    """Run one task in a pool worker; the tests' hook may hold the worker after it."""
+    result = fn(task)
+    wait_point("pool:task-done")
+    return result
 
 
 class RayExecutor:
