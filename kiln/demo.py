@@ -134,7 +134,7 @@ def is_demo_dir(path: Path) -> bool:
 
 def _prepare_out(out: Path, force: bool) -> None:
     """Create the run folder; with --force, first remove a previous demo run (nothing else)."""
-    from kiln.io import check_can_replace_dir, remove_dir
+    from kiln.folders import check_can_replace_dir, remove_dir
 
     if check_can_replace_dir(out, force, is_demo_dir, "a kiln demo run folder"):
         remove_dir(out)

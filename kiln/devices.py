@@ -76,6 +76,13 @@ class Precision:
             return f"dtype {self.name}: {self.reason}"
         return f"dtype {self.requested} → {self.name}: {self.reason}"
 
+    def lines(self, command: str) -> list[str]:
+        """What a command prints once at start-up: the choice, and the warning if there is one."""
+        lines = [f"{command}: {self.describe()}"]
+        if self.warning is not None:
+            lines.append(f"{command}: warning: {self.warning}")
+        return lines
+
     def to_dict(self) -> dict[str, object]:
         """The record kept in a run's config and metrics."""
         return {

@@ -73,8 +73,8 @@ class LoadedCheckpoint:
     path: Path  # the checkpoint directory (checkpoints/step_N)
     state: dict[str, Any]
     model: Transformer
-    tokenizer: Tokenizer
-    tokenizer_path: Path
+    tokenizer: Tokenizer | None  # None only under need_tokenizer=False when none was found
+    tokenizer_path: Path | None
     eot_token: str
 
     @property
@@ -165,22 +165,12 @@ def load_checkpoint_model(path: Path, device: str | torch.device = "cpu") -> Tra
         raise KilnError(f"{path}/state.json: no usable config.model ({exc})") from None
     weights = path / "model.safetensors"
     if not weights.is_file():
-        raise KilnError(
-            f"{weights}: missing (a sharded checkpoint? loading reads model.safetensors)"
-        )
+        raise KilnError(f"{weights}: missing (a checkpoint holds its weights in model.safetensors)")
 
     with torch.device("meta"):  # no random init of weights that are overwritten at once
         model = Transformer(cfg)
     model.to_empty(device=device)
-    _, aliases = ckpt.unique_tensors(model)  # a tied head is stored once, as the embedding
-    tensors = ckpt.read_tensors(weights, device)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [name for name in missing if name not in aliases]
-    if missing or unexpected:
-        raise KilnError(
-            f"{weights} does not match the config in state.json: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
-        )
+    ckpt.load_model_tensors(weights, model, device, "the config in state.json")
     model.init_rope()
     return model.eval()
 
@@ -249,15 +239,25 @@ def load_checkpoint(
     step: int | None = None,
     tokenizer: PathLike | None = None,
     device: str | torch.device = "cpu",
+    need_tokenizer: bool = True,
 ) -> LoadedCheckpoint:
-    """The checkpoint a folder names (see `find_checkpoint`), its model and the run's tokenizer."""
+    """The checkpoint a folder names (see `find_checkpoint`), its model and the run's tokenizer.
+
+    With `need_tokenizer=False` a run whose tokenizer cannot be found (or is not the one it
+    trained with) still loads, with tokenizer None: scoring the val split needs no tokenizer.
+    """
     checkpoint = find_checkpoint(path, step)
     state = ckpt.read_state(checkpoint)
     model = load_checkpoint_model(checkpoint, device=device)
     if tokenizer is not None:
         tok_path, eot_token = _tokenizer_file(Path(tokenizer)), EOT
     else:
-        tok_path, eot_token = find_run_tokenizer(checkpoint, state)
+        try:
+            tok_path, eot_token = find_run_tokenizer(checkpoint, state)
+        except KilnError:
+            if need_tokenizer:
+                raise
+            return LoadedCheckpoint(checkpoint, state, model, None, None, EOT)
     tok = load_tokenizer(tok_path, state, model.cfg)  # checks it is the run's vocabulary
     return LoadedCheckpoint(checkpoint, state, model, tok, tok_path, eot_token)
 
@@ -337,7 +337,8 @@ def load_model(
     """Load a demo, run, train/, checkpoints/, checkpoint or HF folder (see the module doc).
 
     `dtype` is auto, fp32 or bf16 (kiln.devices' rule); `device` is auto, cpu, cuda or cuda:N.
-    With `need_tokenizer=False` an HF folder without a tokenizer still loads (tokenizer None).
+    With `need_tokenizer=False` a folder whose tokenizer cannot be found still loads (tokenizer
+    None), for work that needs none (scoring a val split, sampling from token ids).
     """
     path = Path(path)
     torch_device = resolve_device(device)
@@ -347,9 +348,9 @@ def load_model(
         model, tok, tok_path, eos, source = _load_hf(path, tokenizer, torch_device, need_tokenizer)
         eot_id = eos[0] if eos else None
     else:
-        loaded = load_checkpoint(path, tokenizer=tokenizer, device=torch_device)
+        loaded = load_checkpoint(path, None, tokenizer, torch_device, need_tokenizer)
         model, tok, tok_path = loaded.model, loaded.tokenizer, loaded.tokenizer_path
-        eot_id = tok.special_tokens.get(loaded.eot_token)
+        eot_id = tok.special_tokens.get(loaded.eot_token) if tok is not None else None
         eos = [eot_id] if eot_id is not None else []
         step = loaded.state.get("step")
         source = f"checkpoint {loaded.path} (step {step:,})" if isinstance(step, int) else (

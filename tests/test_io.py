@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import KilnError
-from kiln.io import (
-    abandoned_by,
-    atomic_write,
-    check_can_replace_dir,
-    check_can_write,
-    lock_folder,
-    open_binary,
-    pid_alive,
-    remove_dir,
-)
+from kiln.folders import abandoned_by, check_can_replace_dir, lock_folder, pid_alive, remove_dir
+from kiln.io import atomic_write, check_can_write, open_binary
 from tests.fixtures import dead_pid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +72,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path) -> None:
 
 HOLD = """
 import sys, time
-from kiln.io import lock_folder
+from kiln.folders import lock_folder
 hold = lock_folder(sys.argv[1], "kiln train", "run folder")
 print("locked", flush=True)
 time.sleep(60)

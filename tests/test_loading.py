@@ -134,6 +134,27 @@ def test_a_moved_demo_folder_still_finds_its_data_and_tokenizer(
         fp32(moved)
 
 
+def test_a_run_without_its_tokenizer_still_scores_its_val_split(
+    demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = tmp_path / "no-tokenizer"
+    shutil.copytree(demo, moved)
+    (moved / "tokenizer.json").unlink()
+    manifest_file = moved / "data" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["tokenizer"]["path"] = str(tmp_path / "gone.json")
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(KilnError, match="tokenizer"):
+        fp32(moved)  # text in or out needs the tokenizer
+    loaded = fp32(moved, need_tokenizer=False)
+    assert loaded.tokenizer is None and loaded.eot_id is None
+    assert_checkpoint_weights(loaded, moved / "train" / "checkpoints" / "step_2")
+    code, out, err = run(capsys, "eval", str(moved), "--val", str(demo / "data"),
+                         "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert "(no tokenizer needed)" in err and "val" in out
+
+
 def test_find_checkpoint_takes_a_step_and_names_the_saved_ones(demo: Path) -> None:
     assert find_checkpoint(demo, 2) == demo / "train" / "checkpoints" / "step_2"
     with pytest.raises(KilnError, match=r"no checkpoint of step 3 \(steps saved: 2\)"):

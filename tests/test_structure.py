@@ -27,7 +27,8 @@ def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
 # DESIGN.md's layers, bottom to top. A module imports only its own layer and those below; a
 # package's cli.py (and kiln/cli.py, commands.py, demo.py) is the command-line layer on top.
 LAYERS = [
-    {"errors", "io", "config", "hardware", "devices", "plotting", "tokenizer", "kernels"},
+    {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting"},
+    {"tokenizer", "kernels"},
     {"data", "model"},
     {"train"},
     {"loading"},

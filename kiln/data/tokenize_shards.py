@@ -39,7 +39,9 @@ from kiln.data.procs import interrupts_deferred, stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
 from kiln.errors import KilnError
-from kiln.io import abandoned_by, kill_point, sha256_file
+from kiln.fault_points import kill_point
+from kiln.folders import abandoned_by
+from kiln.io import sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
 
@@ -226,7 +228,7 @@ def build_path(out: Path, kind: str) -> Path:
 def remove_abandoned_builds(out: Path) -> list[Path]:
     """Clear what killed builds of `out` left: `.<out>.<pid>.*.tmp` folders of dead processes.
 
-    One bearing our own PID is a dead predecessor's too (`kiln.io.abandoned_by`): this runs
+    One bearing our own PID is a dead predecessor's too (`kiln.folders.abandoned_by`): this runs
     before the build makes its own folder.
 
     One exception: when `out` is missing but such a process had moved the old dataset aside

@@ -116,11 +116,12 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     from kiln.loading import load_model
 
     loaded_tasks = [load_task(name, args.data_dir, args.limit) for name in names]  # fail fast
-    loaded = load_model(args.model, args.tokenizer, args.device, args.dtype)
-    print(f"kiln eval: {loaded.source} (tokenizer {loaded.tokenizer_path})", file=sys.stderr)
-    print(f"kiln eval: {loaded.precision.describe()}", file=sys.stderr)
-    if loaded.precision.warning:
-        print(f"kiln eval: warning: {loaded.precision.warning}", file=sys.stderr)
+    # Scoring the val split needs no tokenizer: a run whose tokenizer moved still loads for it.
+    need_tokenizer = bool(names or args.bpb or args.lm_eval_tasks)
+    loaded = load_model(args.model, args.tokenizer, args.device, args.dtype, need_tokenizer)
+    tok = f"tokenizer {loaded.tokenizer_path}" if loaded.tokenizer_path else "no tokenizer needed"
+    print(f"kiln eval: {loaded.source} ({tok})", file=sys.stderr)
+    print("\n".join(loaded.precision.lines("kiln eval")), file=sys.stderr)
     device = next(loaded.model.parameters()).device
     scorer = Scorer(
         loaded.model, args.batch_size, not args.no_progress, autocast_dtype=loaded.autocast_dtype
@@ -147,7 +148,13 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
         "dtype": loaded.precision.name, "precision": loaded.precision.to_dict(), "stride": args.stride, "data_dir": str(args.data_dir),
     }  # fmt: skip
     doc = results_json(
-        loaded.source, str(loaded.tokenizer_path), settings, tasks, val, bpb, harness
+        loaded.source,
+        loaded.tokenizer_path and str(loaded.tokenizer_path),
+        settings,
+        tasks,
+        val,
+        bpb,
+        harness,
     )
     table = format_table([r for r, _ in tasks], val, bpb)
     if harness is not None:

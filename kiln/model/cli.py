@@ -87,9 +87,7 @@ def run_sample(args: argparse.Namespace) -> int:
         args.model, args.tokenizer, args.device, args.dtype, need_tokenizer=prompt_ids is None
     )
     print(f"kiln sample: {loaded.source}", file=sys.stderr)
-    print(f"kiln sample: {loaded.precision.describe()}", file=sys.stderr)
-    if loaded.precision.warning:
-        print(f"kiln sample: warning: {loaded.precision.warning}", file=sys.stderr)
+    print("\n".join(loaded.precision.lines("kiln sample")), file=sys.stderr)
     tok = loaded.tokenizer
     if prompt_ids is None:
         from kiln.tokenizer.user_text import encode_user_text

@@ -45,7 +45,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from kiln import __version__
 from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
-from kiln.io import abandoned_by, atomic_write, kill_point, write_json_atomic
+from kiln.fault_points import kill_point
+from kiln.folders import abandoned_by, remove_entry
+from kiln.io import atomic_write, write_json_atomic
 
 STATE_FORMAT = "kiln.checkpoint"
 STATE_VERSION = 1
@@ -276,13 +278,13 @@ def clean_leftovers(checkpoints: Path) -> tuple[list[str], list[str]]:
     """Remove what killed runs left in `checkpoints`: (names removed, incomplete steps kept).
 
     Removed: trash and temp folders of processes that are gone (or bore our own PID: see
-    `kiln.io.abandoned_by`), `latest` temp files, and `step_<N>` folders holding nothing of
+    `kiln.folders.abandoned_by`), `latest` temp files, and `step_<N>` folders holding nothing of
     value (empty, or only `optimizer.pt` / `state.json`: what older kilns' in-place pruning
     left). A `step_<N>` that still holds `model.safetensors` is never deleted, complete or not
     (a user may have removed optimizer.pt to save disk): it stays, is not listed as a
     checkpoint, and is returned among the kept. Nothing is done to the one `latest` names (it
     gets its clear error). Call it from the run's one main process, at start, holding the run
-    lock (`kiln.io.lock_folder`): trash and `latest` temp files are removed whatever their
+    lock (`kiln.folders.lock_folder`): trash and `latest` temp files are removed whatever their
     PID, which is only safe while no other trainer can use the folder.
     """
     if not checkpoints.is_dir():
@@ -310,10 +312,7 @@ def clean_leftovers(checkpoints: Path) -> tuple[list[str], list[str]]:
             doomed = False
         if not doomed:
             continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
+        remove_entry(entry)
         removed.append(name)
     return removed, kept
 
@@ -408,6 +407,19 @@ def read_optimizer(file: Path, device: str | torch.device = "cpu") -> dict[str, 
         raise KilnError(f"{file}: not a readable optimizer state ({type(exc).__name__})") from None
 
 
+def load_model_tensors(file: Path, model: nn.Module, device: Any, against: str) -> None:
+    """Load `file`'s tensors into `model` in place; a tied head stored once is not missing."""
+    _, aliases = unique_tensors(model)
+    tensors = read_tensors(file, device)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [name for name in missing if name not in aliases]
+    if missing or unexpected:
+        raise KilnError(
+            f"{file} does not match {against}: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+
+
 def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.device) -> None:
     """Load the model weights and the optimizer state of checkpoint `path` in place.
 
@@ -417,15 +429,7 @@ def load_weights(path: Path, model: nn.Module, optimizer: Any, device: torch.dev
     if is_sharded(model):
         _load_sharded(path, model, optimizer)
         return
-    _, aliases = unique_tensors(model)
-    tensors = read_tensors(path / "model.safetensors", device)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [name for name in missing if name not in aliases]
-    if missing or unexpected:
-        raise KilnError(
-            f"{path}/model.safetensors does not match the model: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
-        )
+    load_model_tensors(path / "model.safetensors", model, device, "the model")
     state = read_optimizer(path / "optimizer.pt", device)
     try:
         optimizer.load_state_dict(state)

@@ -111,7 +111,7 @@ def _register_plot(sub: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Export a checkpoint and say what was written."""
-    from kiln.io import check_can_replace_dir
+    from kiln.folders import check_can_replace_dir
     from kiln.loading import load_checkpoint
     from kiln.train.export import (
         EXPORT_KIND,
@@ -180,7 +180,7 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, run_dir, resume=args.resume)
     # Under torchrun every rank runs this; only the main one speaks.
-    say = print if trainer.dist.is_main else _silent
+    say = trainer.say
     m, c = trainer.model_cfg, trainer.cfg
     say(
         f"kiln train: {m.num_params():,} parameters ({m.n_layer} layers, width {m.n_embd}) on "
@@ -242,10 +242,6 @@ def _checkpoint_note(result: Any, trainer: Any) -> str:
 
     path = result.checkpoint or latest_checkpoint(trainer.checkpoints)
     return f"checkpoint {path}" if path is not None else "no checkpoint saved"
-
-
-def _silent(*args: Any, **kwargs: Any) -> None:
-    """print's stand-in on ranks other than the main one."""
 
 
 def _set_args(assignments: list[str]) -> list[str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.io import abandoned_by, check_can_replace_dir, write_json_atomic
+from kiln.folders import abandoned_by, check_can_replace_dir, remove_entry
+from kiln.io import write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
 
@@ -149,10 +150,7 @@ def remove_abandoned_exports(out: Path) -> list[Path]:
         if kind == "old" and not out.exists() and not out.is_symlink():
             path.rename(out)
             continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_entry(path)
         removed.append(path)
     return removed
 

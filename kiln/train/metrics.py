@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln.io import atomic_write, kill_point
+from kiln.fault_points import kill_point
+from kiln.io import atomic_write
 
 
 def peak_flops(device_name: str | None) -> float | None:

@@ -47,7 +47,8 @@ from kiln import config as cfgio
 from kiln.data import Dataset, Loader, LoaderCursor
 from kiln.devices import Precision, choose_precision, resolve_device
 from kiln.errors import KilnError
-from kiln.io import atomic_write, lock_folder
+from kiln.folders import lock_folder
+from kiln.io import atomic_write
 from kiln.model import ModelConfig, Transformer
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
@@ -254,9 +255,8 @@ class Trainer:
                 f"train.dtype={precision.name} to switch)",
                 slowdown,
             )
-        self.say(f"kiln train: {precision.describe()}")
-        if precision.warning is not None:
-            self.say(f"kiln train: warning: {precision.warning}")
+        for line in precision.lines("kiln train"):
+            self.say(line)
         return precision
 
     def _build_sampler(self) -> ContinuationSampler | None:

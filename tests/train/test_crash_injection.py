@@ -1,6 +1,6 @@
 """SIGKILL `kiln train` while it writes or prunes checkpoints, or truncates metrics.jsonl.
 
-The kill comes from the KILN_TEST_KILL_AT hook (`kiln.io.kill_point`) at a named point of a real
+The kill comes from the KILN_TEST_KILL_AT hook (`kiln.fault_points.kill_point`) at a named point of a real
 subprocess. After each kill: no partial checkpoint is visible (as a listing, `latest` or
 `kiln export --step` sees them), history is intact, and the next start removes every temp and
 trash folder (and finishes a prune the kill cut short).

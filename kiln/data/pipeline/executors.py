@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kiln.data.procs import stop_pool, worker_init
 from kiln.errors import KilnError
-from kiln.io import wait_point
+from kiln.fault_points import wait_point
 
 
 class Executor(Protocol):

@@ -2,7 +2,7 @@
 terminated run resumes to the uninterrupted output.
 
 The run is caught at a known moment, not raced: with KILN_TEST_WAIT_AT=pool:task-done each worker
-finishes one task, writes `<pid>.ready` and waits (`kiln.io.wait_point`), so exactly two tasks
+finishes one task, writes `<pid>.ready` and waits (`kiln.fault_points.wait_point`), so exactly two tasks
 are done when the signal comes. A worker is identified by its PID and its start time, so a PID
 reused by an unrelated process is never taken for a survivor (nor killed).
 """
