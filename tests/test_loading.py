@@ -140,6 +140,10 @@ def test_a_run_without_its_tokenizer_still_scores_its_val_split(
     moved = tmp_path / "no-tokenizer"
     shutil.copytree(demo, moved)
     (moved / "tokenizer.json").unlink()
+    state_file = moved / "train" / "checkpoints" / "step_2" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["data"]["dataset"] = str(tmp_path / "gone-data")  # the run's data moved too
+    state_file.write_text(json.dumps(state))
     manifest_file = moved / "data" / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["tokenizer"]["path"] = str(tmp_path / "gone.json")
