@@ -1,12 +1,16 @@
-"""Fixtures for the pipeline tests: the datatrove comparison harness of bench/data_filters.py."""
+"""Fixtures for the pipeline tests: the datatrove comparison harness of bench/data_filters.py,
+a small stories pipeline, and filler words no filter rule reads as English."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from kiln.tokenizer.special import EOT
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +24,36 @@ def filter_bench() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_stories_pipeline(shared_data: Path, folder: Path) -> Path:
+    """`folder/p.toml`: ~300 kB of TinyStories in tasks of 2 documents, GPT-2 tokens; its path."""
+    with gzip.open(shared_data / "tinystories" / "train.txt.gz", "rt", encoding="utf-8") as f:
+        text = f.read(300_000)
+    (folder / "stories.txt").write_text(text[: text.rfind(EOT)], encoding="utf-8")
+    config = folder / "p.toml"
+    config.write_text(
+        f"""
+docs_per_task = 2
+[[sources]]
+name = "stories"
+paths = ["stories.txt"]
+[tokenize]
+tokenizer = "{shared_data}/gpt2/vocab.json"
+""",
+        encoding="utf-8",
+    )
+    return config
+
+
+def filler_words(n: int, start: int = 0) -> list[str]:
+    """n distinct four-letter consonant words (never a stop word, never an English n-gram)."""
+    letters = "bcdfghjklmnpqrstvwxz"
+    out = []
+    for i in range(start, start + n):
+        digits = []
+        for _ in range(4):
+            i, r = divmod(i, len(letters))
+            digits.append(letters[r])
+        out.append("".join(reversed(digits)))
+    return out

@@ -29,6 +29,7 @@ from kiln.data.pipeline.quality_gopher import (
     top_ngram,
 )
 from kiln.errors import KilnError
+from tests.data.pipeline.conftest import filler_words
 
 # Eight lines of plain English prose: 130 words, every line a sentence of its own.
 CLEAN = """\
@@ -42,17 +43,7 @@ Local historians collect letters, maps and photographs that show how daily life 
 Anyone who walks along the bank at dusk can still picture the boats that once crowded there."""
 
 
-def words(n: int, start: int = 0) -> list[str]:
-    """n distinct letters-only filler words ("bcdf" style, never a stop word)."""
-    letters = "bcdfghjklmnpqrstvwxz"
-    out = []
-    for i in range(start, start + n):
-        digits = []
-        for _ in range(4):
-            i, r = divmod(i, len(letters))
-            digits.append(letters[r])
-        out.append("".join(reversed(digits)))
-    return out
+words = filler_words
 
 
 def quality(text: str, **overrides) -> str | None:

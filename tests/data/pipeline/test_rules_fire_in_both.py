@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.data.pipeline.conftest import filler_words
+
 # Eight lines of plain English prose (130 words), every line one sentence: passes every filter.
 CLEAN = """\
 The history of the river town begins with a small ferry that carried farmers across the water.
@@ -27,17 +29,7 @@ LINES = CLEAN.splitlines()
 DUP_LIMITS = {4: 0.17, 5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
 
 
-def words(n: int, start: int = 0) -> list[str]:
-    """n distinct four-letter consonant words (never a stop word, never an English n-gram)."""
-    letters = "bcdfghjklmnpqrstvwxz"
-    out = []
-    for i in range(start, start + n):
-        digits = []
-        for _ in range(4):
-            i, r = divmod(i, len(letters))
-            digits.append(letters[r])
-        out.append("".join(reversed(digits)))
-    return out
+words = filler_words
 
 
 def _top_ngram(n: int) -> str:

@@ -26,6 +26,7 @@ from kiln.data.pipeline.runner import RunOptions, run_pipeline
 from kiln.data.shard_reader import Dataset
 from kiln.errors import KilnError
 from kiln.tokenizer.formats import read_any
+from tests.data.pipeline.conftest import write_stories_pipeline
 
 EOT = "<|endoftext|>"
 
@@ -439,20 +440,7 @@ def test_a_replaced_tokenizer_file_counts_as_a_changed_config(
 def test_sigkill_mid_run_then_restart_gives_the_uninterrupted_output(
     shared_data: Path, tmp_path: Path
 ) -> None:
-    with gzip.open(shared_data / "tinystories" / "train.txt.gz", "rt", encoding="utf-8") as f:
-        text = f.read(300_000)
-    (tmp_path / "stories.txt").write_text(text[: text.rfind(EOT)], encoding="utf-8")
-    (tmp_path / "p.toml").write_text(
-        f"""
-docs_per_task = 2
-[[sources]]
-name = "stories"
-paths = ["stories.txt"]
-[tokenize]
-tokenizer = "{shared_data}/gpt2/vocab.json"
-""",
-        encoding="utf-8",
-    )
+    write_stories_pipeline(shared_data, tmp_path)
     cfg = load_pipeline_config(tmp_path / "p.toml")
     run_pipeline(cfg, RunOptions(out=str(tmp_path / "straight"), progress=False))
 

@@ -9,7 +9,6 @@ reused by an unrelated process is never taken for a survivor (nor killed).
 
 from __future__ import annotations
 
-import gzip
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.data.pipeline.conftest import write_stories_pipeline
 from tests.data.pipeline.test_runner import _fingerprint
 
 EOT = "<|endoftext|>"
@@ -44,20 +44,7 @@ def _alive(worker: Worker) -> bool:
 
 @pytest.fixture
 def run_setup(shared_data: Path, tmp_path: Path) -> list[str]:
-    with gzip.open(shared_data / "tinystories" / "train.txt.gz", "rt", encoding="utf-8") as f:
-        text = f.read(300_000)
-    (tmp_path / "stories.txt").write_text(text[: text.rfind(EOT)], encoding="utf-8")
-    (tmp_path / "p.toml").write_text(
-        f"""
-docs_per_task = 2
-[[sources]]
-name = "stories"
-paths = ["stories.txt"]
-[tokenize]
-tokenizer = "{shared_data}/gpt2/vocab.json"
-""",
-        encoding="utf-8",
-    )
+    write_stories_pipeline(shared_data, tmp_path)
     command = [sys.executable, "-m", "kiln.cli", "data", "run", str(tmp_path / "p.toml")]
     return [*command, "--out", str(tmp_path / "out"), "--workers", "2", "--quiet"]
 
