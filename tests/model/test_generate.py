@@ -189,8 +189,13 @@ def test_compiled_decode_step_gives_the_same_tokens() -> None:
 
 @pytest.mark.slow
 def test_compiled_training_step_matches_eager() -> None:
+    _training_step_matches_eager(backend="inductor")
+
+
+def _training_step_matches_eager(backend: str) -> None:
+    """Loss and every gradient of one step through torch.compile(backend) equal eager's."""
     model = build(gpt2_small(), seed=3).train()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     loss_c = compiled(idx, targets)
     loss_c.backward()
@@ -224,15 +229,4 @@ def test_graph_captured_decode_step_gives_the_same_tokens(monkeypatch: pytest.Mo
 
 
 def test_graph_captured_training_step_matches_eager() -> None:
-    model = build(gpt2_small(), seed=3).train()
-    compiled = torch.compile(model, backend="aot_eager")
-    idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
-    loss_c = compiled(idx, targets)
-    loss_c.backward()
-    grads_c = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    loss_e = model(idx, targets)
-    loss_e.backward()
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for gc, p in zip(grads_c, model.parameters(), strict=True):
-        torch.testing.assert_close(gc, p.grad, rtol=1e-4, atol=1e-5)
+    _training_step_matches_eager(backend="aot_eager")

@@ -26,6 +26,18 @@ def filter_bench() -> ModuleType:
     return module
 
 
+# Eight lines of plain English prose (130 words), every line one sentence: passes every filter.
+CLEAN_PROSE = """\
+The history of the river town begins with a small ferry that carried farmers across the water.
+Over many years the crossing grew into a market where traders sold grain, wool and timber.
+A stone bridge replaced the ferry in the spring of a wet year, and the market moved closer to it.
+Merchants built tall houses along the bank, and their children learned to swim in the shallows.
+When the railway arrived, the old warehouses emptied and the quiet streets filled with visitors.
+Today the bridge still stands, although cars have taken the place of carts and horses.
+Local historians collect letters, maps and photographs that show how daily life has changed.
+Anyone who walks along the bank at dusk can still picture the boats that once crowded there."""
+
+
 def write_stories_pipeline(shared_data: Path, folder: Path) -> Path:
     """`folder/p.toml`: ~300 kB of TinyStories in tasks of 2 documents, GPT-2 tokens; its path."""
     with gzip.open(shared_data / "tinystories" / "train.txt.gz", "rt", encoding="utf-8") as f:

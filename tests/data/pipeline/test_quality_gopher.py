@@ -29,18 +29,9 @@ from kiln.data.pipeline.quality_gopher import (
     top_ngram,
 )
 from kiln.errors import KilnError
-from tests.data.pipeline.conftest import filler_words
+from tests.data.pipeline.conftest import CLEAN_PROSE, filler_words
 
-# Eight lines of plain English prose: 130 words, every line a sentence of its own.
-CLEAN = """\
-The history of the river town begins with a small ferry that carried farmers across the water.
-Over many years the crossing grew into a market where traders sold grain, wool and timber.
-A stone bridge replaced the ferry in the spring of a wet year, and the market moved closer to it.
-Merchants built tall houses along the bank, and their children learned to swim in the shallows.
-When the railway arrived, the old warehouses emptied and the quiet streets filled with visitors.
-Today the bridge still stands, although cars have taken the place of carts and horses.
-Local historians collect letters, maps and photographs that show how daily life has changed.
-Anyone who walks along the bank at dusk can still picture the boats that once crowded there."""
+CLEAN = CLEAN_PROSE
 
 
 words = filler_words

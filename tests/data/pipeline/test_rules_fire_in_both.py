@@ -12,18 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.data.pipeline.conftest import filler_words
+from tests.data.pipeline.conftest import CLEAN_PROSE, filler_words
 
-# Eight lines of plain English prose (130 words), every line one sentence: passes every filter.
-CLEAN = """\
-The history of the river town begins with a small ferry that carried farmers across the water.
-Over many years the crossing grew into a market where traders sold grain, wool and timber.
-A stone bridge replaced the ferry in the spring of a wet year, and the market moved closer to it.
-Merchants built tall houses along the bank, and their children learned to swim in the shallows.
-When the railway arrived, the old warehouses emptied and the quiet streets filled with visitors.
-Today the bridge still stands, although cars have taken the place of carts and horses.
-Local historians collect letters, maps and photographs that show how daily life has changed.
-Anyone who walks along the bank at dusk can still picture the boats that once crowded there."""
+CLEAN = CLEAN_PROSE
 LINES = CLEAN.splitlines()
 # Gopher's duplicate n-gram character limits (n = 4 stands for "no lower rule fired").
 DUP_LIMITS = {4: 0.17, 5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
