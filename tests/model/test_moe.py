@@ -107,7 +107,7 @@ def test_bias_balancing_moves_load_off_the_busiest_expert_and_reports_stats() ->
     layer = moe_layers(model)[0]
     x = torch.randn(1, 64, 64)
     first: dict[str, float] = {}
-    for step in range(40):
+    for _ in range(40):
         with torch.no_grad():
             layer(x)
         stats = balance_experts(model)

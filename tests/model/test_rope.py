@@ -85,9 +85,9 @@ def test_each_type_changes_the_model_and_dynamic_only_past_the_original_length()
 
 
 def test_bad_scaling_settings_are_clear_errors() -> None:
-    with pytest.raises(ModelConfigError, match="rope_scaling.type must be one of"):
+    with pytest.raises(ModelConfigError, match=r"rope_scaling\.type must be one of"):
         RopeScaling(type="ntk")
     with pytest.raises(ModelConfigError, match="beta_fast > beta_slow"):
         RopeScaling(type="yarn", beta_fast=1.0, beta_slow=2.0)
-    with pytest.raises(ModelConfigError, match="rope_scaling.factor"):
+    with pytest.raises(ModelConfigError, match=r"rope_scaling\.factor"):
         ModelConfig.preset("tiny", rope_scaling={"type": "linear", "factor": 0.0})
