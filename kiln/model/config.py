@@ -454,5 +454,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": {**_LLAMA, "n_layer": 16, "n_head": 32, "n_kv_head": 8, "n_embd": 2048,
                  "d_ff": 8192, "vocab_size": 128256, "norm_eps": 1e-5, "block_size": 131072,
                  "rope_scaling": {"factor": 32.0, "original_max_seq_len": 8192}},
+    # llama-20m with 8 experts of half its MLP width, top-2: the same active parameters.
+    "moe-20m": {**_LLAMA, "n_layer": 6, "n_head": 6, "n_kv_head": 2, "n_embd": 384,
+                "moe": {"n_experts": 8, "top_k": 2, "d_expert": 512, "aux_loss": 0.01}},
+    # llama-20m with multi-head latent attention: 160 cached numbers per token and layer, not 256.
+    "mla-20m": {**_LLAMA, "n_layer": 6, "n_head": 6, "n_embd": 384,
+                "mla": {"kv_rank": 128, "rope_dim": 32}},
 }  # fmt: skip
 # "llama-1b" is Llama-3.2-1B's shape (1,235,814,400 parameters), so HF checkpoints map onto it.

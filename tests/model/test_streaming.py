@@ -83,3 +83,38 @@ def test_learned_positions_stream_too_and_bad_windows_are_clear_errors() -> None
     assert streaming_nll(model, list(range(100)), n_sink=2, window=30).shape == (99,)
     with pytest.raises(KilnError, match="n_sink \\+ window <= block_size"):
         SinkCache(model.cfg, 1, 10, 60)
+
+
+def test_sink_attention_equals_transformers_gpt_oss_attention() -> None:
+    # The module, not the whole model: gpt-oss's MoE (clamped SwiGLU with a +1 on up, biased
+    # experts) is not kiln's, so only its attention with sinks is compared.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss import modeling_gpt_oss as gpt_oss
+
+    from kiln.model.layers import CausalSelfAttention
+    from kiln.model.rope import rope_tables
+
+    hf_cfg = transformers.GptOssConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=1, layer_types=["full_attention"], attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    hf = gpt_oss.GptOssAttention(hf_cfg, 0).eval()
+    torch.nn.init.normal_(hf.sinks, std=1.0)
+    cfg = llama_small(attn_sinks=True, bias=True)
+    ours = CausalSelfAttention(cfg, 0).eval()
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            parts = [getattr(hf, f"{p}_proj").__getattr__(name) for p in "qkv"]
+            getattr(ours.qkv, name).copy_(torch.cat(parts))
+            getattr(ours.proj, name).copy_(getattr(hf.o_proj, name))
+        ours.sinks.copy_(hf.sinks)
+        x = torch.randn(2, 20, 64)
+        cos, sin = gpt_oss.GptOssRotaryEmbedding(hf_cfg)(x, torch.arange(20)[None].expand(2, -1))
+        causal = torch.full((20, 20), float("-inf")).triu(1)[None, None]
+        expected, _ = hf(x, (cos, sin), causal)
+        rope = tuple(t[:20] for t in rope_tables(cfg))
+        torch.testing.assert_close(ours(x, rope, None), expected, rtol=0, atol=1e-5)
+        ours.sinks.fill_(-1e9)  # no sinks: clearly different, so the sinks are what matched
+        assert not torch.allclose(ours(x, rope, None), expected, atol=1e-3)
