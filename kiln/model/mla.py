@@ -52,6 +52,7 @@ class LatentAttention(nn.Module):
         self.n_head, self.rope_dim, self.kv_rank = cfg.n_head, m.rope_dim, m.kv_rank
         self.nope_dim, self.v_dim = cfg.qk_head_dim - m.rope_dim, cfg.v_head_dim
         H, C, qk = cfg.n_head, cfg.n_embd, cfg.qk_head_dim
+        self.q_rank = m.q_rank
         if m.q_rank is None:
             self.wq = nn.Linear(C, H * qk, bias=False)
         else:
@@ -74,10 +75,19 @@ class LatentAttention(nn.Module):
         cache: AttentionCache | None = None,
     ) -> Tensor:
         """Attention output (B, T, C) of x (B, T, C)."""
+        B, T, _ = x.shape
+        q, k, v = self.heads(x, rope, cache)
+        y = attend(q, k, v, mask, self.backend, scale=self.scale, sinks=self.sinks)  # (B, H, T, dv)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.v_dim)))
+
+    def heads(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, cache: AttentionCache | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (B, H, T, d_qk), keys (B, H, S, d_qk), values (B, H, S, d_v) over the prefix."""
         assert rope is not None  # MLA requires pos_emb = "rope" (checked by the config)
         B, T, _ = x.shape
         H = self.n_head
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q = self.wq(x) if self.q_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q = q.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, d_nope + d_rope)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
@@ -90,5 +100,4 @@ class LatentAttention(nn.Module):
         kv = self.wkv_b(latent[:, 0]).view(B, S, H, -1).transpose(1, 2)  # (B, H, S, d_nope + d_v)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, H, S, self.rope_dim)), dim=-1)  # (B, H, S, d_qk)
-        y = attend(q, k, v, mask, self.backend, scale=self.scale, sinks=self.sinks)  # (B, H, T, dv)
-        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, H * self.v_dim)))
+        return q, k, v
