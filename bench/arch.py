@@ -4,11 +4,11 @@ MLA, and attention sinks for streaming past the trained length.
 1. Data: the `kiln demo` tokenizer (4096-token BPE) and token shards of the embedded TinyStories,
    shared with bench/train.py (prepared once under --cache).
 2. Training: each variant trains with kiln's Trainer on the same batches for the same number of
-   steps (equal tokens: --steps × 4096), same optimizer, schedule and fp32 precision, one after
-   another. Reported: final val bits per byte on the first 64k val tokens (nats / ln 2 / UTF-8
-   bytes of those tokens), training tokens/s, and the ratio of each variant's tokens/s to the
-   dense baseline's, measured in this one run (the machine is shared, so absolute times are
-   noisy; ratios taken minutes apart are the best this machine gives). Equal time: each run's
+   steps (equal tokens: --steps × 4096), same optimizer, schedule and fp32 precision, all
+   variants at once, each in its own single-threaded process, so they share the (loaded)
+   machine alike. Reported: final val bits per byte on the first 64k val tokens (nats / ln 2 /
+   UTF-8 bytes of those tokens), training tokens/s, and the ratio of each variant's tokens/s to
+   the dense baseline's, measured side by side. Equal time: each run's
    val loss is also recorded at every tenth of its steps against its training seconds, and the
    val loss at the shortest run's training time is read off each curve (linear interpolation).
    - dense: Llama-style (RoPE, RMSNorm, SwiGLU d_ff 512, GQA 4 heads / 2 kv heads), 4 x 192.
@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,8 @@ def train(name: str, cfg: TrainConfig, run_dir: Path, tokenizer: Any) -> dict[st
     print(f"{name}: {mc.num_params() / 1e6:.2f}M params ({mc.num_active_params() / 1e6:.2f}M "
           f"active), {result.step} steps in {trainer.train_seconds:.0f}s, {tps:,.0f} tok/s, "
           f"val bpb {bpb:.4f}", flush=True)  # fmt: skip
-    out["model"] = trainer.model
+    torch.save(trainer.model.state_dict(), run_dir / "model.pt")
+    (run_dir / "result.json").write_text(json.dumps(out) + "\n")
     return out
 
 
@@ -173,6 +175,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per variant")
     ap.add_argument("--only", help="comma-separated variant names (prefix match)")
     ap.add_argument("--skip-streaming", action="store_true")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # index of the variant to train
     ap.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared"
                     / "data" / "tinystories" / "valid.txt.gz")  # fmt: skip
     args = ap.parse_args()
@@ -184,16 +187,20 @@ def main() -> int:
     names = [
         n for n in VARIANTS if not args.only or any(n.startswith(p) for p in args.only.split(","))
     ]
-    runs = []
-    for i, name in enumerate(names):
-        runs.append(
-            train(
-                name,
-                config(data_dir, VARIANTS[name], args.steps),
-                args.out_dir / f"run{i}",
-                tokenizer,
-            )
-        )
+    if args.child is not None:
+        name, run_dir = names[args.child], args.out_dir / f"run{args.child}"
+        train(name, config(data_dir, VARIANTS[name], args.steps), run_dir, tokenizer)
+        return 0
+    children = [
+        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--child", str(i)])
+        for i in range(len(names))
+    ]  # side by side: every variant sees the same machine load
+    if any(child.wait() != 0 for child in children):
+        raise SystemExit("a variant failed")
+    runs = [
+        json.loads((args.out_dir / f"run{i}" / "result.json").read_text())
+        for i in range(len(names))
+    ]
     base = runs[0]
     t_common = min(r["train_s"] for r in runs)
     print(
@@ -208,10 +215,12 @@ def main() -> int:
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['val_bpb']:.4f} | "
               f"{r['loss_at_common_time']:.4f} |")  # fmt: skip
     doc: dict[str, Any] = {"steps": args.steps, "tokens_per_step": GLOBAL, "seq_len": SEQ,
-                           "runs": [{k: v for k, v in r.items() if k != "model"} for r in runs]}  # fmt: skip
+                           "runs": runs}  # fmt: skip
     if not args.skip_streaming:
         print(f"\nstreaming a long text through the dense model (block {SEQ}):")
-        doc["streaming"] = streaming(base["model"], tokenizer, args.text, 2048)
+        model = Trainer(config(data_dir, VARIANTS[names[0]], 1), args.out_dir / "streaming").model
+        model.load_state_dict(torch.load(args.out_dir / "run0" / "model.pt"))
+        doc["streaming"] = streaming(model.eval(), tokenizer, args.text, 2048)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "arch.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out_dir / 'arch.json'}")

@@ -1,4 +1,5 @@
-"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM to and from kiln's Transformer.
+"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM to and from kiln's Transformer
+(and Mixtral, Qwen3-MoE and DeepSeek-V3, whose extra fields and tensors are in hf_families.py).
 
 Directories are read and written without `transformers` (config.json + safetensors), so a kiln
 install can load HF checkpoints; `from_hf` / `to_hf` convert live `transformers` objects. kiln
@@ -35,7 +36,7 @@ _KILN_ONLY = ("vocab_multiple", "z_loss", "attention_backend", "dropout", "init_
 
 
 def from_hf(hf_model: Any) -> Transformer:
-    """A kiln Transformer with the weights of a `transformers` GPT-2 or Llama causal LM."""
+    """A kiln Transformer with the weights of a `transformers` causal LM of a supported family."""
     hf_cfg = hf_model.config.to_dict()
     return _build(config_from_hf(hf_cfg), dict(hf_model.state_dict()), "cpu", _interleaved(hf_cfg))
 
