@@ -21,6 +21,9 @@ MLA, and attention sinks for streaming past the trained length.
 3. Streaming (attention sinks): the dense model (block 128) reads a 2,048-token text token by
    token through a bounded cache: 4 sink tokens + 60 recent, against window eviction without
    sinks (64 recent). Reported: mean NLL per quarter of the text.
+4. Length extrapolation: the dense model's bits per byte on Gutenberg text (en_100m.txt.gz) at
+   contexts 64..1024 (trained at 128), as trained (plain RoPE) and with linear, dynamic-NTK and
+   YaRN scaling by 4 (`kiln eval --context` machinery); a PNG under --out-dir.
 
     .venv/bin/python bench/arch.py                      # ~15-25 minutes on a loaded 2-core CPU
     .venv/bin/python bench/arch.py --steps 60 --skip-streaming
@@ -167,6 +170,31 @@ def streaming(model: torch.nn.Module, tokenizer: Any, text_path: Path, n: int) -
     return out
 
 
+def context_section(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> dict[str, Any]:
+    """bpb by context length and position for each RoPE scaling type; the plot."""
+    from kiln.eval.context import context_curve, plot_context_curves
+
+    text = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench" / "en_100m.txt.gz"
+    curves = []
+    for scaling in (None, "linear:4", "dynamic:4", "yarn:4"):
+        curve = context_curve(model, tokenizer, text, [64, 128, 256, 512, 1024], 8192, 8, scaling)
+        curves.append(curve)
+        print(
+            f"  {scaling or 'plain RoPE':<10} "
+            + "  ".join(f"L={k}: {v:.4f}" for k, v in curve.bpb.items())
+        )
+    png = plot_context_curves(curves, out_dir / "arch_context.png", SEQ)
+    print(f"wrote {png}")
+    return {"curves": [c.to_dict() for c in curves], "plot": str(png)}
+
+
+def load_dense(data_dir: Path, out_dir: Path) -> torch.nn.Module:
+    """The dense variant as trained by the last run (run0/model.pt)."""
+    model = Trainer(config(data_dir, VARIANTS["dense (GQA)"], 1), out_dir / "reload").model
+    model.load_state_dict(torch.load(out_dir / "run0" / "model.pt"))
+    return model.eval()
+
+
 def main() -> int:
     """Run the benchmark; print the table; write JSON beside --out-dir."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -175,6 +203,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per variant")
     ap.add_argument("--only", help="comma-separated variant names (prefix match)")
     ap.add_argument("--skip-streaming", action="store_true")
+    ap.add_argument("--only-context", action="store_true", help="part 4 only, on run0's model")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # index of the variant to train
     ap.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared"
                     / "data" / "tinystories" / "valid.txt.gz")  # fmt: skip
@@ -187,6 +216,13 @@ def main() -> int:
     names = [
         n for n in VARIANTS if not args.only or any(n.startswith(p) for p in args.only.split(","))
     ]
+    if args.only_context:
+        doc = json.loads((args.out_dir / "arch.json").read_text())
+        doc["context"] = context_section(
+            load_dense(data_dir, args.out_dir), tokenizer, args.out_dir
+        )
+        (args.out_dir / "arch.json").write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
     if args.child is not None:
         name, run_dir = names[args.child], args.out_dir / f"run{args.child}"
         train(name, config(data_dir, VARIANTS[name], args.steps), run_dir, tokenizer)
@@ -218,9 +254,8 @@ def main() -> int:
                            "runs": runs}  # fmt: skip
     if not args.skip_streaming:
         print(f"\nstreaming a long text through the dense model (block {SEQ}):")
-        model = Trainer(config(data_dir, VARIANTS[names[0]], 1), args.out_dir / "streaming").model
-        model.load_state_dict(torch.load(args.out_dir / "run0" / "model.pt"))
-        doc["streaming"] = streaming(model.eval(), tokenizer, args.text, 2048)
+        doc["streaming"] = streaming(load_dense(data_dir, args.out_dir), tokenizer, args.text, 2048)
+    doc["context"] = context_section(load_dense(data_dir, args.out_dir), tokenizer, args.out_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "arch.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out_dir / 'arch.json'}")
