@@ -118,3 +118,48 @@ def test_sink_attention_equals_transformers_gpt_oss_attention() -> None:
         torch.testing.assert_close(ours(x, rope, None), expected, rtol=0, atol=1e-5)
         ours.sinks.fill_(-1e9)  # no sinks: clearly different, so the sinks are what matched
         assert not torch.allclose(ours(x, rope, None), expected, atol=1e-3)
+
+
+def sink_model() -> torch.nn.Module:
+    """A constructed 1-layer model that parks its attention on token 0, as trained LMs do on
+    their first tokens: every query carries a large constant in its slowest RoPE pair (barely
+    rotating over 128 positions), only token 0's key matches it, and token 0's value is zero."""
+    cfg = llama_small(n_layer=1, bias=True, rope_theta=1e9, block_size=128)
+    model = build(cfg)
+    H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_size
+    with torch.no_grad():
+        model.wte.weight[:, 0] = 0.0
+        model.wte.weight[0] = 0.0
+        model.wte.weight[0, 0] = 1.0  # token 0: all its (normalised) mass in feature 0
+        model.blocks[0].norm1.weight[0] = 1.0
+        qkv = model.blocks[0].attn.qkv
+        qkv.weight[:, 0] = 0.0  # feature 0 feeds nothing but the sink key below
+        for h in range(H):
+            qkv.weight[h * D + 7], qkv.bias[h * D + 7] = 0.0, 10.0
+        for g in range(Hkv):
+            row = H * D + g * D + 7
+            qkv.weight[row], qkv.bias[row] = 0.0, 0.0
+            qkv.weight[row, 0] = 1.0
+        qkv.bias[H * D + Hkv * D :] = 0.0  # values: token 0's is zero
+    return model.eval()
+
+
+def test_with_sinks_perplexity_stays_where_window_eviction_degrades() -> None:
+    # A constructed case (not a trained model): text sampled from the model itself, so the
+    # full-attention NLL is the reference; past the window, evicting token 0 shifts every
+    # softmax, keeping it as a sink reproduces full attention.
+    from kiln.model.attention_maps import attention_maps
+    from kiln.model.generate import generate
+
+    model = sink_model()
+    text = [0] + generate(model, [[0]], 119, temperature=1.0, seed=0)[0]
+    (weights,) = attention_maps(model, torch.tensor([text]))
+    assert float(weights[0, :, 8:, 0].min()) > 0.9  # every head parks on token 0
+    with torch.no_grad():
+        logits = model(torch.tensor([text[:-1]]))[0]
+    full = torch.nn.functional.cross_entropy(logits, torch.tensor(text[1:]), reduction="none")
+    sinks = streaming_nll(model, text, n_sink=1, window=31)
+    window = streaming_nll(model, text, n_sink=0, window=32)
+    late = slice(40, None)  # well past the 32-token cache
+    assert float(sinks[late].mean()) == pytest.approx(float(full[late].mean()), abs=0.02)
+    assert float(window[late].mean()) > float(full[late].mean()) + 0.5
