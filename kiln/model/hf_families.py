@@ -172,10 +172,10 @@ def layer_to_hf(cfg: ModelConfig, sd: dict[str, Tensor], i: int) -> dict[str, Te
         out[f"{h}mlp.shared_experts.gate_proj.weight"] = gate
         out[f"{h}mlp.shared_experts.up_proj.weight"] = up
         out[f"{h}mlp.shared_experts.down_proj.weight"] = sd[f"{k}mlp.shared.proj.weight"]
-    moe_layer = cfg.moe is not None and cfg.is_moe_layer(i)
-    if cfg.mla is not None and moe_layer and not cfg.moe.expert_bias:  # type: ignore[union-attr]
+    m = cfg.moe
+    if cfg.mla is not None and m is not None and cfg.is_moe_layer(i) and not m.expert_bias:
         # DeepSeek always has the buffer; kiln's absent one is zero
-        out[f"{h}mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.moe.n_experts)
+        out[f"{h}mlp.gate.e_score_correction_bias"] = torch.zeros(m.n_experts)
     return out
 
 

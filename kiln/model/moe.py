@@ -58,10 +58,10 @@ def grouped_matmul(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     if grouped_mm_available(x):
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's segment
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    # The fallback: one matmul per expert over its contiguous rows (empty segments skipped).
+    # The fallback: one matmul per expert over its contiguous rows. Empty segments still run
+    # (0 FLOPs) so every expert's weight gets a (zero) gradient, as DDP expects of each step.
     segments = x.split(counts.tolist())
-    out = [seg @ w[e].T for e, seg in enumerate(segments) if seg.size(0)]
-    return torch.cat(out) if out else x.new_zeros(0, weight.size(1))
+    return torch.cat([seg @ w[e].T for e, seg in enumerate(segments)])
 
 
 class Experts(nn.Module):

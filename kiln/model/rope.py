@@ -28,9 +28,13 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> Tensor:
     """Rotary frequencies θ^(-2i/D) (D/2,), scaled by cfg.rope_scaling (for seq_len if dynamic)."""
     dim, base = cfg.rope_dim, cfg.rope_theta
     s = cfg.rope_scaling
-    dynamic = s is not None and s.type == "dynamic" and seq_len is not None
-    if dynamic and seq_len > s.original_max_seq_len:  # type: ignore[operator,union-attr]
-        growth = s.factor * seq_len / s.original_max_seq_len - (s.factor - 1)  # type: ignore
+    if (
+        s is not None
+        and s.type == "dynamic"
+        and seq_len is not None
+        and seq_len > s.original_max_seq_len
+    ):
+        growth = s.factor * seq_len / s.original_max_seq_len - (s.factor - 1)
         base = base * growth ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (D/2,)
     inv_freq = 1.0 / (base**exponents)
