@@ -305,7 +305,7 @@ class Trainer:
         if not self.dist.is_main or ev.sample_tokens <= 0 or not ev.sample_prompts:
             return None
         mode = distributed.parallel_mode(self.cfg, self.dist)
-        if mode in ("fsdp", "mesh"):
+        if mode == "fsdp" or (mode == "mesh" and self.dist.world_size > 1):
             warnings.warn(
                 f"eval samples skipped: not supported with train.parallel = {mode!r} (sample from "
                 "a checkpoint instead, or set eval.sample_tokens = 0 to silence this)",
