@@ -75,11 +75,15 @@ class BatchConfig:
     """Global batch in tokens per optimizer step; micro-batch in sequences per forward pass."""
 
     global_tokens: int = 16384
-    micro_batch: int = 8
+    # "auto" (CUDA only): the largest that fits, by a short probe (kiln/train/micro_batch.py)
+    micro_batch: int | Literal["auto"] = 8
 
     def __post_init__(self) -> None:
         _check(self.global_tokens >= 1, f"batch.global_tokens must be >= 1: {self.global_tokens}")
-        _check(self.micro_batch >= 1, f"batch.micro_batch must be >= 1: {self.micro_batch}")
+        _check(
+            self.micro_batch == "auto" or self.micro_batch >= 1,
+            f"batch.micro_batch must be >= 1 or 'auto': {self.micro_batch}",
+        )
 
 
 @dataclass
@@ -103,6 +107,7 @@ class TrainSection:
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # model initialisation and any sampling in training (dropout)
     skip_nonfinite: bool = False  # skip a step with a non-finite loss/gradient instead of stopping
+    memory_check: bool = True  # stop before the first step when the memory pre-flight says no
     # Data parallelism under torchrun: "ddp" (every rank holds the model), "fsdp" (FSDP2: each
     # rank holds a shard), "auto" (ddp; the [parallel] mesh when it asks for more than 1-D data
     # parallelism), "mesh" (the [parallel] mesh even when it is 1-D: sharded checkpoints),

@@ -201,6 +201,15 @@ def sum_across_ranks(value: torch.Tensor, dist: DistInfo) -> torch.Tensor:
     return out
 
 
+def min_across_ranks(value: int, dist: DistInfo, device: torch.device) -> int:
+    """The smallest of every rank's `value` (e.g. the micro-batch all ranks can fit)."""
+    if dist.world_size == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def any_rank(flag: bool, dist: DistInfo, device: torch.device) -> bool:
     """True on every rank when it is true on any (e.g. a stop signal seen by one process)."""
     if dist.world_size == 1:

@@ -28,6 +28,7 @@ gathered to rank 0); only rank 0 writes files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import signal
@@ -135,9 +136,13 @@ class Trainer:
             if self.mesh is not None
             else (self.dist.rank, self.dist.world_size)
         )
+        auto_micro = cfg.batch.micro_batch == "auto"  # probed once the model is built
+        if auto_micro and self.mesh is not None and self.mesh.size("pp") > 1:
+            raise KilnError("batch.micro_batch = 'auto' is not supported with parallel.pp > 1")
         self.accum = accumulation_steps(
-            cfg.batch.global_tokens, self.data_ranks, cfg.batch.micro_batch, cfg.data.seq_len
-        )
+            cfg.batch.global_tokens, self.data_ranks, 1 if auto_micro else cfg.batch.micro_batch,
+            cfg.data.seq_len,
+        )  # fmt: skip
         self.precision = self._choose_precision(saved)
         if self.dist.is_main:  # what a killed run left: temp/trash folders, an unfinished prune
             # Held while this Trainer lives (the OS drops it if the process dies): a second
@@ -161,6 +166,8 @@ class Trainer:
         else:
             self.train_model = parallelize(self.model, self.cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        if auto_micro:
+            cfg = self._probe_micro_batch()
         _seed_rank(cfg.train.seed, self.dist.rank)
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.train_seconds = 0.0  # training time so far (eval, samples, checkpoints excluded)
@@ -250,6 +257,23 @@ class Trainer:
             )
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
+
+    def _probe_micro_batch(self) -> TrainConfig:
+        """Resolve batch.micro_batch = "auto" by a probe on the GPU (micro_batch.py)."""
+        from kiln.train import micro_batch
+
+        T = self.cfg.data.seq_len
+        per_rank = self.cfg.batch.global_tokens // (self.data_ranks * T)
+        found = micro_batch.probe(
+            self.train_model, list(self.model.parameters()), per_rank, T,
+            self.model_cfg.vocab_size, self.device,
+        )  # fmt: skip
+        found = int(distributed.min_across_ranks(found, self.dist, self.device))
+        batch = dataclasses.replace(self.cfg.batch, micro_batch=found)
+        self.cfg = dataclasses.replace(self.cfg, batch=batch)
+        self.accum = accumulation_steps(self.cfg.batch.global_tokens, self.data_ranks, found, T)
+        self.say(f"kiln train: batch.micro_batch = 'auto' -> {found} (probed on {self.device})")
+        return self.cfg
 
     def _build_mesh(self, saved: tuple[Path, dict[str, Any]] | None) -> mesh_ops.Mesh | None:
         """The [parallel] mesh when the run uses one (a sharded checkpoint needs one), else None."""
