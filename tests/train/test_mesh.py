@@ -263,3 +263,23 @@ def test_export_of_a_sharded_checkpoint_equals_the_whole_model_export(
     for k in expected:
         assert torch.equal(exported[k], expected[k]), k
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_async_sharded_saves_appear_complete_and_resume_exactly(make_config: MakeConfig) -> None:
+    """One process, parallel.async_checkpoint: step_2 and step_4 published whole, step 2 resumes."""
+    sets = ("train.parallel=mesh", "parallel.async_checkpoint=true", "train.max_steps=4",
+            "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0")  # fmt: skip
+    cfg = make_config(*sets, run="async")
+    straight = Trainer(cfg, cfg.logging.run_dir).run()
+    ckpts = Path(cfg.logging.run_dir) / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_4"
+    for step in (2, 4):
+        assert (ckpts / f"step_{step}" / "dcp" / ".metadata").is_file()
+        assert (ckpts / f"step_{step}" / "state.json").is_file()
+    assert not list(ckpts.glob(".tmp-*"))
+    from .mesh_worker import start_from
+
+    again = make_config(*sets, run="again")
+    start_from(Path(cfg.logging.run_dir), 2, Path(again.logging.run_dir))
+    resumed = Trainer(again, again.logging.run_dir, resume=True).run()
+    assert resumed.losses == straight.losses[2:]
