@@ -82,18 +82,12 @@ def child(dataset: str, out: str, sets: list[str]) -> None:
     )
     before = _rss()
     trainer = Trainer(cfg, run)
-    if os.environ.get("KILN_MEM_DEBUG"):
-        print("after build", (_rss() - before) >> 20, "MiB", file=sys.stderr)
     shape = trainer.mesh.shape if trainer.mesh is not None else {
         "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}  # fmt: skip
     predicted = rank_memory(trainer.model_cfg, trainer.cfg, shape, "fp32", cfg.batch.micro_batch)
-    saved = saved_activation_bytes(trainer)
-    if os.environ.get("KILN_MEM_DEBUG"):
-        print("after saved", (_rss() - before) >> 20, "MiB peak",
-              (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) >> 20,
-              file=sys.stderr)  # fmt: skip
     trainer.run()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    saved = saved_activation_bytes(trainer)  # after the peak was read: it is not part of it
     ac = cfg.parallel.activation_checkpointing == "full"
     account = activation_bytes(
         trainer.model_cfg, cfg.batch.micro_batch, cfg.data.seq_len, "fp32", checkpointing=ac

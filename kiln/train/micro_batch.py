@@ -11,12 +11,16 @@ out-of-memory ends the process rather than raising, so a number must be given.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.train import distributed
+from kiln.train.config import TrainConfig
 
 HEADROOM = 0.9
 
@@ -72,3 +76,18 @@ def probe(
         return peak + optimizer_bytes < HEADROOM * total
 
     return largest_that_fits(candidates(sequences_per_rank), fits)
+
+
+def resolve_auto(trainer: Any) -> TrainConfig:
+    """A built Trainer's config with micro_batch "auto" replaced by the probed size (every rank
+    takes the smallest any rank found)."""
+    cfg = trainer.cfg
+    T = cfg.data.seq_len
+    per_rank = cfg.batch.global_tokens // (trainer.data_ranks * T)
+    found = probe(
+        trainer.train_model, list(trainer.model.parameters()), per_rank, T,
+        trainer.model_cfg.vocab_size, trainer.device,
+    )  # fmt: skip
+    found = distributed.min_across_ranks(found, trainer.dist, trainer.device)
+    trainer.say(f"kiln train: batch.micro_batch = 'auto' -> {found} (probed on {trainer.device})")
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch=found))

@@ -302,6 +302,17 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 # ---- numbers across the mesh ----------------------------------------------------------------
 
 
+def loss_and_clip(
+    local_loss: Tensor, params: list[nn.Parameter], max_norm: float, mesh: Mesh
+) -> tuple[float, Tensor]:
+    """(the step's global loss, the global gradient norm), gradients clipped if max_norm > 0."""
+    loss = global_loss(local_loss, mesh)
+    norm = grad_norm(params, mesh)
+    if max_norm > 0:
+        clip_grads(params, max_norm, norm)
+    return loss, norm
+
+
 def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     """The global 2-norm of the gradients (a plain fp32 scalar), whatever each one's sharding.
 

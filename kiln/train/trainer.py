@@ -16,7 +16,10 @@ checkpoint, so a resumed budgeted run ends at the same total budget.
 Parallelism is applied from outside the model (torchtitan style): `parallelize(model, cfg,
 dist)` returns the module to train (DDP/FSDP wrapping and compile go there; see distributed.py).
 The loop only asks the wrapped module to skip gradient synchronisation on the non-final
-micro-steps when it can (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`).
+micro-steps when it can (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`). A
+[parallel] mesh run (tp, pp, HSDP; parallelize.py) reads its batch slice by data-parallel
+rank, sums losses and norms over the mesh's groups, runs a pipeline step in place of the
+micro-steps (pipeline.py) and saves sharded checkpoints (sharded_checkpoint.py).
 
 Under torchrun every rank runs this same loop on its slice of each global batch. The numbers a
 user sees are global: the logged loss is the mean over ranks, the gradient norm is that of the
@@ -28,7 +31,6 @@ gathered to rank 0); only rank 0 writes files.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import signal
@@ -80,7 +82,7 @@ def accumulation_steps(global_tokens: int, world_size: int, micro_batch: int, se
     if global_tokens % per_micro:
         lower = max(per_micro, global_tokens // per_micro * per_micro)
         raise KilnError(
-            f"batch.global_tokens ({global_tokens}) must be a multiple of world_size × "
+            f"batch.global_tokens ({global_tokens}) must be a multiple of data-parallel ranks × "
             f"batch.micro_batch × data.seq_len = {world_size} × {micro_batch} × {seq_len} = "
             f"{per_micro}; use e.g. {lower} or {lower + per_micro}"
         )
@@ -166,8 +168,13 @@ class Trainer:
         else:
             self.train_model = parallelize(self.model, self.cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        if auto_micro:
-            cfg = self._probe_micro_batch()
+        if auto_micro:  # the largest that fits, by a probe on the GPU
+            from kiln.train.micro_batch import resolve_auto
+
+            cfg = self.cfg = resolve_auto(self)
+            self.accum = accumulation_steps(
+                cfg.batch.global_tokens, self.data_ranks, cfg.batch.micro_batch, cfg.data.seq_len
+            )
         _seed_rank(cfg.train.seed, self.dist.rank)
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.train_seconds = 0.0  # training time so far (eval, samples, checkpoints excluded)
@@ -257,23 +264,6 @@ class Trainer:
             )
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
-
-    def _probe_micro_batch(self) -> TrainConfig:
-        """Resolve batch.micro_batch = "auto" by a probe on the GPU (micro_batch.py)."""
-        from kiln.train import micro_batch
-
-        T = self.cfg.data.seq_len
-        per_rank = self.cfg.batch.global_tokens // (self.data_ranks * T)
-        found = micro_batch.probe(
-            self.train_model, list(self.model.parameters()), per_rank, T,
-            self.model_cfg.vocab_size, self.device,
-        )  # fmt: skip
-        found = int(distributed.min_across_ranks(found, self.dist, self.device))
-        batch = dataclasses.replace(self.cfg.batch, micro_batch=found)
-        self.cfg = dataclasses.replace(self.cfg, batch=batch)
-        self.accum = accumulation_steps(self.cfg.batch.global_tokens, self.data_ranks, found, T)
-        self.say(f"kiln train: batch.micro_batch = 'auto' -> {found} (probed on {self.device})")
-        return self.cfg
 
     def _build_mesh(self, saved: tuple[Path, dict[str, Any]] | None) -> mesh_ops.Mesh | None:
         """The [parallel] mesh when the run uses one (a sharded checkpoint needs one), else None."""
@@ -507,11 +497,10 @@ class Trainer:
                 (loss / self.accum).backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.mesh is not None:
-            loss_value = mesh_ops.global_loss(total / self.accum, self.mesh)
-            norm = mesh_ops.grad_norm(params, self.mesh)
-            if cfg.train.grad_clip > 0:
-                mesh_ops.clip_grads(params, cfg.train.grad_clip, norm)
+        if self.mesh is not None:  # sums and norms over the mesh's own groups
+            loss_value, norm = mesh_ops.loss_and_clip(
+                total / self.accum, params, cfg.train.grad_clip, self.mesh
+            )
         else:
             loss_value = distributed.mean_across_ranks(total / self.accum, self.dist).item()
             # clip_grad_norm_ in two steps: a sharded gradient's norm is a DTensor whose global
