@@ -77,7 +77,7 @@ class Mesh:
         return None if self.device_mesh is None else self.device_mesh[dims]
 
     def describe(self) -> str:
-        """One line for the log: the mesh and this rank's coordinates."""
+        """One line for the log: the mesh's sizes."""
         sizes = " × ".join(f"{d}={self.shape[d]}" for d in MESH_DIMS)
         return f"mesh {sizes} ({self.dp_size} data-parallel)"
 
@@ -252,14 +252,12 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
 # ---- 5. FSDP2 / HSDP ----------------------------------------------------------------------------
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, groups: Iterable[Any] = ()) -> None:
-    """fully_shard each block, then any extra groups (e.g. a pipeline's head), then the root."""
+def apply_fsdp(model: nn.Module, dp_mesh: Any) -> None:
+    """fully_shard each block, then the root (embeddings, final norm, head)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in blocks_of(model):
         fully_shard(block, mesh=dp_mesh)
-    for group in groups:
-        fully_shard(group, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
 
 
@@ -285,7 +283,7 @@ def parallelize_mesh(model: nn.Module, cfg: TrainConfig, mesh: Mesh) -> nn.Modul
     # With tp > 1, FSDP even over one data-parallel rank: then every parameter is a DTensor
     # (the optimizer's fused/foreach kernels refuse plain tensors mixed with DTensors).
     if mesh.dp_size > 1 or mesh.size("tp") > 1:
-        apply_fsdp(model, dp_mesh_of(mesh), getattr(model, "fsdp_groups", ()))
+        apply_fsdp(model, dp_mesh_of(mesh))
     return model
 
 
@@ -348,13 +346,18 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, total: Tensor) -> No
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(device))
 
 
-def global_loss(local_sum: Tensor, mesh: Mesh) -> float:
-    """The step's mean loss: the loss-owning ranks' sums, over the data-parallel ranks."""
-    value = local_sum.detach().float().reshape(1) if mesh.owns_loss else torch.zeros(1)
-    value = value.to(local_sum.device)
+def loss_ranks_sum(local: Tensor, mesh: Mesh) -> float:
+    """The sum of `local` over the ranks that own a loss (one per data-parallel rank)."""
+    value = local.detach().float().reshape(1) if mesh.owns_loss else torch.zeros(1)
+    value = value.to(local.device)
     if mesh.device_mesh is not None:
         tdist.all_reduce(value)
-    result = value.item() / mesh.dp_size
+    return value.item()
+
+
+def global_loss(local_mean: Tensor, mesh: Mesh) -> float:
+    """The step's mean loss: the loss-owning ranks' means, averaged over the data-parallel ranks."""
+    result = loss_ranks_sum(local_mean, mesh) / mesh.dp_size
     return result if math.isfinite(result) else float("nan")
 
 

@@ -562,7 +562,7 @@ class Trainer:
                 total += self.model(x, y).float() * weight
         self.model.train()
         if self.mesh is not None:
-            return mesh_ops.global_loss(total, self.mesh) * self.mesh.dp_size / self.val_windows
+            return mesh_ops.loss_ranks_sum(total, self.mesh) / self.val_windows
         return (distributed.sum_across_ranks(total, self.dist) / self.val_windows).item()
 
     def _maybe_eval(self, last: bool) -> dict[str, float]:
