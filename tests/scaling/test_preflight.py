@@ -76,8 +76,9 @@ def test_a_run_that_would_not_fit_stops_with_what_to_change(
     monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**30, "a small device"))
     lines = preflight.check(_Trainer(_cfg("batch.micro_batch=1")))
     assert "predicted peak" in lines[0] and "of 1.00 GiB (a small device)" in lines[0]
-    with pytest.raises(KilnError, match="would not fit .activations is the largest part.; "
-                       "lower batch.micro_batch"):  # fmt: skip
+    with pytest.raises(
+        KilnError, match=r"would not fit \(activations is the largest part\); lower batch\.micro"
+    ):
         preflight.check(_Trainer(_cfg("batch.micro_batch=256", "data.seq_len=64")))
     monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**20, "a tiny device"))
     with pytest.raises(KilnError, match="shard more"):
