@@ -80,7 +80,7 @@ def test_a_shared_prefix_is_prefilled_once(llama, make_engine) -> None:
 
 def test_concurrent_requests_hold_shared_prefix_blocks_together(llama, make_engine) -> None:
     system = random_prompts(1, 8, 8, 300, seed=6)[0]
-    prompts = [system + [7], system + [9, 10]]
+    prompts = [[*system, 7], [*system, 9, 10]]
     engine = make_engine(llama, block_size=4, prefill_chunk=8)
     a = engine.submit(prompts[0], GREEDY)
     engine.step()  # a's prompt is computed and its two full blocks registered

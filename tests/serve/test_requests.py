@@ -36,7 +36,7 @@ def test_bad_requests_are_refused_at_submit(llama, make_engine, prompt, params, 
 
 def test_a_request_larger_than_the_pool_is_refused(llama, make_engine) -> None:
     engine = make_engine(llama, block_size=4, num_blocks=5)
-    with pytest.raises(KilnError, match="max_tokens = 20: .* needs 6 KV blocks, the pool has 5"):
+    with pytest.raises(KilnError, match=r"max_tokens = 20: .* needs 6 KV blocks, the pool has 5"):
         engine.submit([1, 2, 3, 4], SamplingParams(max_tokens=20))
 
 
@@ -65,7 +65,7 @@ def test_invalid_sampling_values_name_the_field(kwargs, field) -> None:
 
 
 def test_engine_config_errors_name_the_field() -> None:
-    with pytest.raises(EngineConfigError, match="engine.block_size"):
+    with pytest.raises(EngineConfigError, match=r"engine\.block_size"):
         EngineConfig(block_size=0)
     with pytest.raises(EngineConfigError, match="exclusive"):
         EngineConfig(num_blocks=4, kv_cache_bytes=1 << 20)
