@@ -1,0 +1,1 @@
+"""Post-training: chat format, SFT, LoRA, preference optimisation (DPO) and RL (PPO, GRPO)."""
