@@ -1,1 +1,6 @@
-"""Post-training: chat format, SFT, LoRA, preference optimisation (DPO) and RL (PPO, GRPO)."""
+"""Post-training: the chat format and renderer, checkable tasks and their data, `kiln chat`.
+
+`chat_format` renders conversations to ids + loss mask (the renderer itself lives in
+`kiln.tokenizer.chat`, so export and the server use the same one); `tasks` holds the instruction
+tasks with their program checks; `chat_data` builds conversations from TinyStories.
+"""
