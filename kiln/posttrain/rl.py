@@ -32,21 +32,9 @@ from kiln.posttrain.rl_losses import (
     whiten,
 )
 from kiln.posttrain.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
-from kiln.train.checkpoint import (
-    TrainState,
-    capture_rng,
-    latest_checkpoint,
-    load_model_tensors,
-    read_optimizer,
-    read_state,
-    restore_rng,
-    save_checkpoint,
-    unique_tensors,
-)
-from kiln.train.metrics import MetricsLog
+from kiln.posttrain.run_state import PosttrainRun
 
 ALGORITHMS = ("grpo", "ppo")
-VALUE_FILE = "value.safetensors"  # PPO's value model, beside the policy in each checkpoint
 
 
 @dataclass(frozen=True)
@@ -117,53 +105,30 @@ class RLTrainer:
         self.prompts = [list(p) for p in prompts]
         self.reward_fn = reward_fn
         self.eot_id = eot_id
-        self.out_dir = Path(out_dir)
-        self.base_state = (
-            base_state or {}
-        )  # the SFT checkpoint's state.json: model, data, tokenizer
+        self.run_dir = PosttrainRun(Path(out_dir), base_state, cfg.keep_last)
+        self.metrics = self.run_dir.metrics
         self.progress = progress
         params = list(policy.parameters()) + (list(self.value.parameters()) if self.value else [])
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.step = 0
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    @property
-    def checkpoints(self) -> Path:
-        """Where this run's checkpoints live."""
-        return self.out_dir / "checkpoints"
+    def _extra(self) -> dict[str, torch.nn.Module]:
+        return {"value": self.value} if self.value is not None else {}
 
     def save(self) -> Path:
-        """Checkpoint the policy, value model, optimizer, step and RNG atomically.
-
-        The policy is `model.safetensors` with the base run's config, so `kiln.loading` (and
-        with it `kiln chat`, `kiln eval`, `kiln serve`) loads an RL checkpoint like any other.
-        """
-        state = TrainState(
-            step=self.step, tokens=0, cursor={"step": self.step},
-            config={**self.base_state.get("config", {}), "rl": asdict(self.cfg)},
-            dataset=self.base_state.get("dataset", {}), rng={"0": capture_rng()},
-        )  # fmt: skip
-        extra = {VALUE_FILE: unique_tensors(self.value)[0]} if self.value is not None else {}
-        return save_checkpoint(
-            self.checkpoints, self.policy, self.optimizer, state, {}, self.cfg.keep_last,
-            extra_tensors=extra,
-        )  # fmt: skip
+        """Checkpoint the policy (loadable as a model), value model, optimizer and RNG."""
+        return self.run_dir.save(
+            self.step, self.policy, self.optimizer, "rl", asdict(self.cfg), self._extra()
+        )
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint if there is one; True when it did."""
-        latest = latest_checkpoint(self.checkpoints)
-        if latest is None:
+        step = self.run_dir.resume(self.policy, self.optimizer, self._extra())
+        if step is None:
             return False
-        load_model_tensors(latest / "model.safetensors", self.policy, "cpu", "the policy")
-        if self.value is not None:
-            load_model_tensors(latest / VALUE_FILE, self.value, "cpu", "the value model")
-        self.optimizer.load_state_dict(read_optimizer(latest / "optimizer.pt"))
-        state = read_state(latest)
-        self.step = int(state["step"])
-        restore_rng(state["rng"]["0"])
-        self.metrics.truncate_after(self.step)
+        self.step = step
         return True
 
     # ---- the loop ---------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from kiln.errors import KilnError
 from kiln.model import ModelConfig
 from kiln.model.hf import state_dict_to_hf, to_hf
 from kiln.model.transformer import Transformer
+from kiln.posttrain.dpo import DPOConfig, TokenPair, preference_loss
 from kiln.posttrain.dpo_loss import DPOOutput, dpo_loss
-from kiln.posttrain.logprobs import masked_sum, token_logprobs
 from tests.fixtures import single_torch_thread
 
 trl = pytest.importorskip("trl", reason="trl (a dev dependency) is the DPO reference")
@@ -76,20 +76,9 @@ def trl_trainer(
     )  # fmt: skip
 
 
-def kiln_loss(
-    policy: Transformer, ref: Transformer, b: dict, loss_type: str, beta: float
-) -> DPOOutput:
-    ids = b["input_ids"]
-    targets = ids[:, 1:]
-    mask = b["completion_mask"][:, 1:].bool()
-    logps = masked_sum(token_logprobs(policy(ids)[:, :-1], targets), mask)
-    with torch.no_grad():
-        ref_logps = masked_sum(token_logprobs(ref(ids)[:, :-1], targets), mask)
-    lengths = mask.sum(1).float()
-    c, r = logps.chunk(2)
-    rc, rr = ref_logps.chunk(2)
-    lc, lr = lengths.chunk(2)
-    return dpo_loss(c, r, rc, rr, beta, loss_type, lc, lr)
+def kiln_loss(policy: Transformer, ref: Transformer, loss_type: str, beta: float) -> DPOOutput:
+    pairs = [TokenPair(p, c, r) for p, c, r in PAIRS]
+    return preference_loss(policy, ref, pairs, DPOConfig(beta=beta, loss_type=loss_type))
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
@@ -103,7 +92,7 @@ def test_loss_and_gradients_equal_trl(loss_type: str) -> None:
     trl_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
 
     policy.train()
-    out = kiln_loss(policy, ref, b, loss_type, beta)
+    out = kiln_loss(policy, ref, loss_type, beta)
     out.loss.backward()
     grads = copy.deepcopy(policy)
     with torch.no_grad():
@@ -124,13 +113,12 @@ def test_loss_and_gradients_equal_trl(loss_type: str) -> None:
 def test_trained_toward_chosen_the_margin_grows() -> None:
     policy, ref = make_models()
     policy.load_state_dict(ref.state_dict())
-    b = batch()
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
-    first = kiln_loss(policy, ref, b, "sigmoid", 0.5)
+    first = kiln_loss(policy, ref, "sigmoid", 0.5)
     assert first.margins.abs().max().item() == pytest.approx(0.0, abs=1e-5)  # policy == reference
     for _ in range(5):
         opt.zero_grad()
-        out = kiln_loss(policy, ref, b, "sigmoid", 0.5)
+        out = kiln_loss(policy, ref, "sigmoid", 0.5)
         out.loss.backward()
         opt.step()
     assert out.loss.item() < first.loss.item()

@@ -74,7 +74,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path, algorithm: str) -> None:
 def test_an_rl_checkpoint_holds_the_policy_where_loaders_look(tmp_path: Path) -> None:
     t = trainer(tmp_path, algorithm="ppo", steps=2)
     t.run()
-    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    ckpt = latest_checkpoint(t.run_dir.checkpoints)
     assert ckpt is not None
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "value.safetensors").is_file()
 
