@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from kiln.model.transformer import Transformer
 from kiln.posttrain.dpo_loss import LOSS_TYPES, DPOOutput, dpo_loss
 from kiln.posttrain.logprobs import masked_sum
 from kiln.posttrain.rollout import policy_logprobs, sequence_batch
-from kiln.posttrain.run_state import PosttrainRun
+from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def preference_loss(
     return dpo_loss(chosen, rejected, ref_c, ref_r, cfg.beta, cfg.loss_type, lc, lr)
 
 
-class DPOTrainer:
+class DPOTrainer(PosttrainLoop):
     """Runs DPO from a policy against a frozen copy of it (or a given reference)."""
 
     def __init__(
@@ -104,8 +104,9 @@ class DPOTrainer:
         progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         require(len(pairs) >= 1, "dpo needs at least one training pair")
+        self.section = "dpo"
         self.cfg = cfg
-        self.policy = policy
+        self.model = self.policy = policy
         self.reference = (reference or copy.deepcopy(policy)).eval().requires_grad_(False)
         self.pairs = list(pairs)
         self.held_out = list(held_out)
@@ -118,12 +119,9 @@ class DPOTrainer:
         self.step = 0
 
     def batch_of(self, step: int) -> list[TokenPair]:
-        """The pairs of `step`: consecutive slices of a seeded permutation per epoch."""
-        n, k = len(self.pairs), self.cfg.pairs_per_step
-        per_epoch = max(1, n // k)
-        epoch, slot = divmod(step, per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
-        return [self.pairs[int(order[(slot * k + i) % n])] for i in range(k)]
+        """The pairs of `step` (a pure function of the step and seed)."""
+        picked = epoch_slice(len(self.pairs), self.cfg.pairs_per_step, step, self.cfg.seed)
+        return [self.pairs[i] for i in picked]
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to cfg.lr, then constant."""
@@ -146,27 +144,6 @@ class DPOTrainer:
             "margin": float(margins.mean()),
             "accuracy": float((margins > 0).float().mean()),
         }
-
-    def save(self) -> Path:
-        """Checkpoint the policy (loadable as a model), optimizer and RNG."""
-        return self.run_dir.save(self.step, self.policy, self.optimizer, "dpo", asdict(self.cfg))
-
-    def resume(self) -> bool:
-        """Continue from the latest checkpoint if there is one; True when it did."""
-        step = self.run_dir.resume(self.policy, self.optimizer)
-        if step is None:
-            return False
-        self.step = step
-        return True
-
-    def run(self) -> list[dict[str, Any]]:
-        """Train until cfg.steps; returns this call's metric records."""
-        records = []
-        while self.step < self.cfg.steps:
-            records.append(self.train_step())
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
-                self.save()
-        return records
 
     def train_step(self) -> dict[str, Any]:
         """One update on the step's pairs; logs and returns its metrics."""

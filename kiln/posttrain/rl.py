@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from kiln.posttrain.rl_losses import (
     whiten,
 )
 from kiln.posttrain.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
-from kiln.posttrain.run_state import PosttrainRun
+from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
 
 ALGORITHMS = ("grpo", "ppo")
 
@@ -82,7 +82,7 @@ class RLConfig:
         )
 
 
-class RLTrainer:
+class RLTrainer(PosttrainLoop):
     """Runs GRPO or PPO from a policy (an SFT model) against a frozen copy of it."""
 
     def __init__(
@@ -98,8 +98,9 @@ class RLTrainer:
         base_state: dict[str, Any] | None = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        self.section = "rl"
         self.cfg = cfg
-        self.policy = policy
+        self.model = self.policy = policy
         self.reference = (reference or copy.deepcopy(policy)).eval().requires_grad_(False)
         self.value = ScalarHead(copy.deepcopy(policy)) if cfg.algorithm == "ppo" else None
         self.prompts = [list(p) for p in prompts]
@@ -112,46 +113,16 @@ class RLTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
 
-    # ---- checkpoints ------------------------------------------------------------------------
-
-    def _extra(self) -> dict[str, torch.nn.Module]:
+    def extra_modules(self) -> dict[str, torch.nn.Module]:
+        """PPO's value model, saved beside the policy."""
         return {"value": self.value} if self.value is not None else {}
-
-    def save(self) -> Path:
-        """Checkpoint the policy (loadable as a model), value model, optimizer and RNG."""
-        return self.run_dir.save(
-            self.step, self.policy, self.optimizer, "rl", asdict(self.cfg), self._extra()
-        )
-
-    def resume(self) -> bool:
-        """Continue from the latest checkpoint if there is one; True when it did."""
-        step = self.run_dir.resume(self.policy, self.optimizer, self._extra())
-        if step is None:
-            return False
-        self.step = step
-        return True
 
     # ---- the loop ---------------------------------------------------------------------------
 
     def prompt_rows(self, step: int) -> list[int]:
-        """Indices of the prompts of `step` (each repeated group_size times), a pure function."""
-        per_epoch = max(1, len(self.prompts) // self.cfg.prompts_per_step)
-        epoch, slot = divmod(step, per_epoch)
-        order = torch.randperm(
-            len(self.prompts), generator=torch.Generator().manual_seed(self.cfg.seed + epoch)
-        ).tolist()
-        picked = [order[(slot * self.cfg.prompts_per_step + i) % len(order)]
-                  for i in range(self.cfg.prompts_per_step)]  # fmt: skip
+        """Indices of the prompts of `step`, each repeated group_size times (a pure function)."""
+        picked = epoch_slice(len(self.prompts), self.cfg.prompts_per_step, step, self.cfg.seed)
         return [i for i in picked for _ in range(self.cfg.group_size)]
-
-    def run(self) -> list[dict[str, Any]]:
-        """Train until cfg.steps; returns this call's metric records."""
-        records = []
-        while self.step < self.cfg.steps:
-            records.append(self.train_step())
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
-                self.save()
-        return records
 
     def train_step(self) -> dict[str, Any]:
         """One rollout and its updates; logs and returns the step's metrics."""

@@ -7,11 +7,14 @@ files; the loop's own settings are one section of the config; RNG states make re
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from kiln.model.config import ModelConfig
 from kiln.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -49,10 +52,15 @@ class PosttrainRun:
         settings: dict[str, Any],
         extra: dict[str, nn.Module] | None = None,
     ) -> Path:
-        """Write the checkpoint of `step` atomically (settings recorded as config[section])."""
+        """Write the checkpoint of `step` atomically (settings recorded as config[section]).
+
+        config.model is the model's own config, so the checkpoint loads whatever the base was.
+        """
+        config = {**self.base_state.get("config", {}), section: settings}
+        if isinstance(getattr(model, "cfg", None), ModelConfig):
+            config["model"] = model.cfg.to_dict()
         state = TrainState(
-            step=step, tokens=0, cursor={"step": step},
-            config={**self.base_state.get("config", {}), section: settings},
+            step=step, tokens=0, cursor={"step": step}, config=config,
             dataset=self.base_state.get("dataset", {}), rng={"0": capture_rng()},
         )  # fmt: skip
         files = {f"{name}.safetensors": unique_tensors(m)[0] for name, m in (extra or {}).items()}
@@ -76,3 +84,61 @@ class PosttrainRun:
         step = int(state["step"])
         self.metrics.truncate_after(step)
         return step
+
+
+def epoch_slice(n: int, k: int, step: int, seed: int) -> list[int]:
+    """Indices of step's k items out of n: consecutive slices of a seeded permutation per epoch.
+
+    A pure function of its arguments, so a resumed run sees exactly the items it would have.
+    """
+    per_epoch = max(1, n // k)
+    epoch, slot = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [order[(slot * k + i) % n] for i in range(k)]
+
+
+class PosttrainLoop:
+    """The shared loop of DPO, reward-model and RL training: steps, checkpoints, resume.
+
+    Subclasses set `model`, `optimizer`, `cfg` (with steps, save_every, keep_last), `section`
+    and `run_dir`, and implement `train_step`; `extra_modules` are saved beside the model.
+    """
+
+    section: str
+    model: nn.Module
+    optimizer: Any
+    cfg: Any
+    run_dir: PosttrainRun
+    step: int = 0
+
+    def extra_modules(self) -> dict[str, nn.Module]:
+        """Modules saved in their own files beside the model (none by default)."""
+        return {}
+
+    def save(self) -> Path:
+        """Checkpoint the model (loadable as a model), the extras, optimizer and RNG."""
+        return self.run_dir.save(
+            self.step, self.model, self.optimizer, self.section, asdict(self.cfg),
+            self.extra_modules(),
+        )  # fmt: skip
+
+    def resume(self) -> bool:
+        """Continue from the latest checkpoint if there is one; True when it did."""
+        step = self.run_dir.resume(self.model, self.optimizer, self.extra_modules())
+        if step is None:
+            return False
+        self.step = step
+        return True
+
+    def train_step(self) -> dict[str, Any]:
+        """One update; returns (and logs) its metrics."""
+        raise NotImplementedError
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train until cfg.steps, checkpointing every save_every steps and at the end."""
+        records = []
+        while self.step < self.cfg.steps:
+            records.append(self.train_step())
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save()
+        return records

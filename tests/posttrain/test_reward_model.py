@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +11,15 @@ import torch
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.posttrain.reward_model import (
+    RewardConfig,
     RewardModel,
+    RewardTrainer,
     bradley_terry_loss,
+    load_reward_model,
     pairwise_accuracy,
     score_sequences,
 )
+from kiln.train.checkpoint import latest_checkpoint
 from tests.fixtures import single_torch_thread
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)
@@ -35,27 +40,36 @@ def pairs(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def test_a_planted_signal_is_learned_and_holds_on_held_out_pairs() -> None:
+def trainer(out: Path, steps: int = 60) -> RewardTrainer:
     torch.manual_seed(0)
     rm = RewardModel(Transformer(ModelConfig.preset("tiny", vocab_size=64, block_size=32)))
-    train, held_out = pairs(256, seed=1), pairs(128, seed=2)
-    chosen, rejected = zip(*held_out, strict=True)
-    with torch.no_grad():
-        before = pairwise_accuracy(score_sequences(rm, chosen), score_sequences(rm, rejected))
-    opt = torch.optim.AdamW(rm.parameters(), lr=3e-3)
-    rm.train()
-    for step in range(60):
-        batch = train[(step * 32) % 256 :][:32]
-        c, r = zip(*batch, strict=True)
-        loss = bradley_terry_loss(score_sequences(rm, c), score_sequences(rm, r))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    rm.eval()
-    with torch.no_grad():
-        after = pairwise_accuracy(score_sequences(rm, chosen), score_sequences(rm, rejected))
+    cfg = RewardConfig(steps=steps, pairs_per_step=32, lr=3e-3, eval_every=20, save_every=20)
+    return RewardTrainer(rm, pairs(256, seed=1), cfg, out, held_out=pairs(128, seed=2))
+
+
+def test_a_planted_signal_is_learned_and_holds_on_held_out_pairs(tmp_path: Path) -> None:
+    t = trainer(tmp_path)
+    before = t.evaluate(t.held_out)["accuracy"]
+    after = t.run()[-1]["val_accuracy"]
     assert before < 0.75  # a random head has no reason to prefer the mark
     assert after > 0.9, f"held-out pairwise accuracy {after:.2f} after training"
+    loaded = load_reward_model(latest_checkpoint(t.run_dir.checkpoints))
+    chosen = [c for c, _ in t.held_out[:8]]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            score_sequences(loaded, chosen), score_sequences(t.reward_model.eval(), chosen)
+        )
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    whole = trainer(tmp_path / "whole", steps=6)
+    whole.run()
+    trainer(tmp_path / "cut", steps=3).run()
+    again = trainer(tmp_path / "cut", steps=6)
+    assert again.resume() and again.step == 3
+    again.run()
+    for a, b in zip(whole.reward_model.parameters(), again.reward_model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_score_reads_the_last_real_token_whatever_the_padding() -> None:
