@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from typing import Any
 
 from kiln.config import require
 from kiln.errors import KilnError
-from kiln.io import open_binary
+from kiln.io import open_binary, sha256_file, write_json_atomic
 from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
 from kiln.posttrain.dpo import TokenPair
+from kiln.posttrain.output import check_output_folder, output_folder
 from kiln.posttrain.tasks import check, score
 from kiln.tokenizer.chat import render, require_chat_template
 from kiln.tokenizer.tokenizer import Tokenizer
@@ -52,12 +54,15 @@ def sample_replies(
     cfg: SamplingConfig,
     seed: int,
 ) -> list[str]:
-    """`cfg.samples` replies to a conversation's prompt, each up to the end token."""
+    """`cfg.samples` replies to a conversation's prompt, each up to the end token.
+
+    None fit when the prompt fills the model's context: the list is empty.
+    """
     template = require_chat_template(tokenizer, "sampling")
     prompt = render(messages, tokenizer, add_generation_prompt=True).ids
     room = model.cfg.block_size - len(prompt)
     if room < 1:
-        raise KilnError(f"a prompt of {len(prompt)} tokens leaves no room in the model's context")
+        return []  # no room to answer in the model's context: no pair
     replies = generate(
         model, [prompt] * cfg.samples, min(cfg.max_new_tokens, room),
         temperature=cfg.temperature, top_k=cfg.top_k, seed=seed, stop_tokens=template.stop_ids,
@@ -91,15 +96,15 @@ def build_pairs(
     tokenizer: Tokenizer,
     records: Iterable[Mapping[str, Any]],
     cfg: SamplingConfig,
-) -> Iterator[tuple[Mapping[str, Any], dict[str, Any] | None]]:
-    """For each record (a prompt + reference reply), its pair or None, in order."""
+) -> Iterator[tuple[Mapping[str, Any], list[str], dict[str, Any] | None]]:
+    """For each record (a prompt + reference reply): its replies and its pair (or None)."""
     model.eval()
     for n, record in enumerate(records):
         replies = sample_replies(model, tokenizer, record["messages"][:-1], cfg, cfg.seed + n)
         pair = make_pair(record, replies)
         if pair is not None:
             pair["sampling"] = asdict(cfg)
-        yield record, pair
+        yield record, replies, pair
 
 
 def read_pairs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -142,11 +147,58 @@ def tokenize_pair(pair: Mapping[str, Any], tokenizer: Tokenizer, where: str) -> 
     return TokenPair(prompt, reply(pair["chosen"]), reply(pair["rejected"]))
 
 
-def write_pairs(path: Path, pairs: Iterable[dict[str, Any]]) -> int:
-    """Write pairs as JSON lines to `path` (an open temp location); returns the count."""
-    count = 0
-    with path.open("w", encoding="utf-8") as handle:
-        for pair in pairs:
-            handle.write(json.dumps(pair, ensure_ascii=False) + "\n")
-            count += 1
-    return count
+MANIFEST = "manifest.json"
+FORMAT = "kiln.preferences"
+
+
+def write_preferences(
+    model: str,
+    chat: str,
+    out: Path,
+    cfg: SamplingConfig,
+    max_prompts: int = 0,
+    force: bool = False,
+    progress: bool = True,
+) -> str:
+    """Sample and judge the train prompts of `chat`, write OUT (whole or not at all).
+
+    Returns the summary: prompts and pairs per task.
+    """
+    from tqdm import tqdm
+
+    from kiln.loading import load_model
+    from kiln.posttrain.chat_data import read_manifest, split_file
+    from kiln.posttrain.chat_format import iter_conversations
+
+    check_output_folder(out, force, MANIFEST)  # before any sampling
+    loaded = load_model(model, dtype="fp32")
+    if loaded.tokenizer is None:
+        raise KilnError(f"{model}: no tokenizer found (sampling renders chats)")
+    records = list(iter_conversations(split_file(chat, "train")))
+    records = records[:max_prompts] if max_prompts else records
+    prompts, kept, too_long = Counter[str](), Counter[str](), 0
+    pairs = []
+    bar = tqdm(total=len(records), desc="preferences", unit="prompt", disable=not progress)
+    for record, replies, pair in build_pairs(loaded.model, loaded.tokenizer, records, cfg):
+        prompts[record["task"]] += 1
+        too_long += not replies
+        if pair is not None:
+            kept[record["task"]] += 1
+            pairs.append(pair)
+        bar.update(1)
+        bar.set_postfix(pairs=len(pairs))
+    bar.close()
+    with output_folder(out, force, MANIFEST) as tmp:
+        with (tmp / "pairs.jsonl").open("w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
+        manifest = {
+            "format": FORMAT, "version": 1, "model": loaded.source,
+            "chat_data_sha256": read_manifest(chat).get("sha256"), "sampling": asdict(cfg),
+            "prompts": dict(sorted(prompts.items())), "pairs": dict(sorted(kept.items())),
+            "prompts_too_long": too_long, "sha256": sha256_file(tmp / "pairs.jsonl"),
+        }  # fmt: skip
+        write_json_atomic(tmp / MANIFEST, manifest)
+    rows = [f"  {t:<10} {kept[t]:>5} pairs of {n:>5} prompts" for t, n in sorted(prompts.items())]
+    return "\n".join(
+        [f"kiln posttrain preferences: {len(pairs):,} pairs in {out}/pairs.jsonl", *rows]
+    )

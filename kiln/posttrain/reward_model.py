@@ -5,7 +5,7 @@ probability the chosen response is preferred; the same head shape gives PPO's pe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,10 @@ class RewardTrainer(PosttrainLoop):
         *,
         held_out: Sequence[tuple[list[int], list[int]]] = (),
         base_state: dict[str, Any] | None = None,
+        progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         require(len(pairs) >= 1, "reward training needs at least one pair")
+        self.progress = progress
         self.section = "reward"
         self.cfg = cfg
         self.reward_model = reward_model
@@ -168,6 +170,8 @@ class RewardTrainer(PosttrainLoop):
         if self.held_out and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
             record |= {f"val_{k}": v for k, v in self.evaluate(self.held_out).items()}
         self.metrics.write(record)
+        if self.progress is not None:
+            self.progress(record)
         return record
 
 

@@ -3,7 +3,6 @@ that name the line."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -84,8 +83,9 @@ def test_sampling_is_seeded_and_recorded(chat_tok: Tokenizer) -> None:
     model = tiny_model(chat_tok.n_vocab)
     records = [words_record()] * 3
     cfg = SamplingConfig(samples=3, max_new_tokens=12, seed=5)
-    first = [(r["id"], json.dumps(p)) for r, p in build_pairs(model, chat_tok, records, cfg)]
-    again = [(r["id"], json.dumps(p)) for r, p in build_pairs(model, chat_tok, records, cfg)]
+    first = [(r["id"], x, p) for r, x, p in build_pairs(model, chat_tok, records, cfg)]
+    again = [(r["id"], x, p) for r, x, p in build_pairs(model, chat_tok, records, cfg)]
     assert first == again and len(first) == 3
+    assert all(len(replies) == 3 for _, replies, _ in first)
     with pytest.raises(KilnError, match="samples must be >= 2"):
         SamplingConfig(samples=1)
