@@ -22,6 +22,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.train.cli",
     "kiln.eval.cli",
     "kiln.scaling.cli",
+    "kiln.serve.cli",
     "kiln.demo",
 ]
 
