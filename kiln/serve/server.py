@@ -435,8 +435,10 @@ def _param_of(message: str) -> str | None:
     from kiln.serve.openai_schema import ChatRequest, CompletionRequest
 
     SamplingParams, _ = _engine_types()
-    known = {f.name for f in fields(SamplingParams)} | set(CompletionRequest.model_fields) | set(
-        ChatRequest.model_fields
+    known = (
+        {f.name for f in fields(SamplingParams)}
+        | set(CompletionRequest.model_fields)
+        | set(ChatRequest.model_fields)
     )
     return next((w for w in re.findall(r"[a-z_]+", message) if w in known), None)
 
