@@ -55,7 +55,8 @@ PAGE_POLICY = (
     "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'"
 )
 PROMPT_OPT_IN = "send the prompt as token ids"
-OPENAI_TO_ENGINE = {"top_logprobs": "logprobs"}  # request field -> SamplingParams field
+# After the grace period requests are cancelled; uvicorn force-closes what is left this much later.
+SHUTDOWN_BACKSTOP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     inflight: int = 0
+    active: set[Generation] = field(default_factory=set)  # requests now generating
 
 
 def _engine_types() -> tuple[Any, Any]:
@@ -410,7 +412,9 @@ class Service:
         except BaseException:
             self.state.inflight -= 1
             raise
-        return Generation(handles, [len(p) for p in prompts], n, arrived)
+        gen = Generation(handles, [len(p) for p in prompts], n, arrived)
+        self.state.active.add(gen)
+        return gen
 
     def finish(self, gen: Generation, outcome: str) -> None:
         """Cancel what is left of `gen`, free its slot and count it (once, whoever calls first)."""
@@ -419,8 +423,14 @@ class Service:
             return
         gen.finished = True
         self.state.inflight -= 1
+        self.state.active.discard(gen)
         gen.record(self.metrics)
         self.metrics.count_request(outcome)
+
+    def cancel_all(self) -> None:
+        """Cancel every running request (shutdown's grace is over): each ends as "cancelled"."""
+        for gen in list(self.state.active):
+            gen.cancel()
 
     async def until_disconnect(self, request: Request) -> None:
         """Return when the client goes away (after its body was read)."""
@@ -778,17 +788,22 @@ class _GracefulServer:
 
 
 def make_server(app: FastAPI, host: str, port: int, grace_s: float, log_level: str = "info") -> Any:
-    """A uvicorn server for `app` that drains for up to `grace_s` seconds on SIGTERM."""
+    """A uvicorn server for `app` that drains on SIGTERM: running requests get `grace_s` seconds
+    to finish, then are cancelled (their streams end with finish_reason "cancelled")."""
     import uvicorn
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s,
-        lifespan="on", server_header=False,
+        app, host=host, port=port, log_level=log_level, lifespan="on", server_header=False,
+        timeout_graceful_shutdown=grace_s + SHUTDOWN_BACKSTOP_S,
     )  # fmt: skip
     service: Service = app.state.service
 
     def on_stop() -> None:
-        service.state.draining = True
+        if not service.state.draining:
+            service.state.draining = True
+            timer = threading.Timer(grace_s, service.cancel_all)
+            timer.daemon = True
+            timer.start()
 
     return _GracefulServer(config, on_stop).server
 
