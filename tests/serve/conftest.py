@@ -1,128 +1,76 @@
-"""Tiny model folders and a real `kiln serve` app on a free loopback port, for the server tests.
-
-Models: the `tiny` preset with random weights and a 300-token BPE trained on a slice of the
-packaged TinyStories text; "chat" has the chat control tokens as special tokens, "base" has not.
-Servers run uvicorn in a thread over the real Engine, on a socket bound to 127.0.0.1:0.
-"""
+"""Engine test fixtures: small models, and a KV-block audit after every engine test."""
 
 from __future__ import annotations
 
-import gzip
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-import kiln
-from kiln.serve.chat_template import CHAT_TOKENS
-from kiln.tokenizer.special import EOT
+from kiln.model import Transformer
+from kiln.serve.engine import Engine, EngineConfig
+from kiln.tokenizer.tokenizer import Tokenizer
 from tests.fixtures import single_torch_thread
-
-STORIES = Path(kiln.__file__).parent / "assets" / "tinystories_valid.txt.gz"
-START_TIMEOUT_S = 30.0
+from tests.model.helpers import build, gpt2_small, llama_small
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)
 
+EOT = 256
 
-def build_model_dir(root: Path, specials: tuple[str, ...], block_size: int = 512) -> Path:
-    """An HF model folder: a random `tiny` model and a 300-token BPE with `specials`."""
-    import torch
 
-    from kiln.model import ModelConfig, Transformer
-    from kiln.model.hf import save_hf_dir
-    from kiln.tokenizer import train_bpe
-
-    with gzip.open(STORIES, "rt", encoding="utf-8") as handle:
-        text = handle.read(60_000)
-    corpus = root / "stories.txt"
-    corpus.write_text(text, encoding="utf-8")
-    tok = train_bpe(corpus, 300, special_tokens=list(specials), workers=1)
+@pytest.fixture(autouse=True)
+def _seed() -> None:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.preset("tiny", vocab_size=tok.n_vocab, block_size=block_size))
-    out = root / "model"
-    save_hf_dir(model.eval(), out, eos_token_id=tok.special_tokens[EOT])
-    tok.save(out / "tokenizer.json")
-    return out
 
 
 @pytest.fixture(scope="session")
-def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A base model folder (no chat tokens)."""
-    return build_model_dir(tmp_path_factory.mktemp("base"), (EOT,))
+def llama() -> Transformer:
+    """A Llama-style model (RoPE, RMSNorm, SwiGLU, GQA 4 heads over 2) with random weights."""
+    return build(llama_small(vocab_size=300, block_size=96, n_embd=64, n_head=4, n_kv_head=2))
 
 
 @pytest.fixture(scope="session")
-def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model folder whose tokenizer has the chat control tokens."""
-    return build_model_dir(tmp_path_factory.mktemp("chat"), (EOT, *CHAT_TOKENS))
+def gpt2() -> Transformer:
+    """A GPT-2-style model (learned positions, LayerNorm, GELU) with random weights."""
+    return build(gpt2_small(block_size=96))
 
 
-@dataclass
-class RunningServer:
-    """A served app: its base URL, the engine behind it and the uvicorn server."""
-
-    url: str
-    engine: Any
-    server: Any
-    service: Any
-
-    @property
-    def api(self) -> str:
-        """The OpenAI base URL (…/v1)."""
-        return self.url + "/v1"
+@pytest.fixture(scope="session")
+def byte_tokenizer() -> Tokenizer:
+    """Bytes as tokens (no merges) plus <|endoftext|> = 256."""
+    return Tokenizer({i: bytes([i]) for i in range(256)}, [], {"<|endoftext|>": EOT})
 
 
-@contextmanager
-def serve_model(
-    model_dir: Path, *, engine_options: dict[str, Any] | None = None, **options: Any
-) -> Iterator[RunningServer]:
-    """Serve `model_dir` in this process (a uvicorn thread) until the block ends."""
-    from kiln.loading import load_model
-    from kiln.serve.engine import Engine, EngineConfig
-    from kiln.serve.limits import ServerLimits
-    from kiln.serve.server import ServerOptions, create_app, make_server
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Engine]]:
+    """Build engines; afterwards each must be idle with its KV block books balanced."""
+    made: list[Engine] = []
 
-    loaded = load_model(model_dir, device="cpu", dtype="fp32")
-    engine = Engine.from_loaded(loaded, EngineConfig(**(engine_options or {})))
-    limits = options.pop("limits", ServerLimits())
-    opts = ServerOptions(options.pop("model_name", "tiny"), limits, **options)
-    app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, opts)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = make_server(app, "127.0.0.1", port, grace_s=2.0, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, server, app.state.service)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
+    def make(model: Transformer, tokenizer: Tokenizer | None = None, **config: Any) -> Engine:
+        eot = config.pop("eot_id", None)
+        engine = Engine(model, tokenizer, EngineConfig(**config), eot_id=eot)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.stop(timeout=10)
+        assert_no_leaks(engine)
 
 
-@pytest.fixture(scope="module")
-def base_server(base_model: Path) -> Iterator[RunningServer]:
-    """The base model served with default limits (shared by a module's tests)."""
-    with serve_model(base_model, engine_options={"max_waiting": 64}) as running:
-        yield running
+def assert_no_leaks(engine: Engine) -> None:
+    """Every request done, and the only used blocks are those the prefix cache keeps."""
+    engine.audit()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting) == (0, 0), stats
+    assert stats.blocks_used == stats.blocks_cached, stats
+    if not engine.config.prefix_caching:
+        assert stats.blocks_used == 0, stats
 
 
-def wait_until(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `check` until it holds (bounded), failing with `what`."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of random lengths in [lo, hi] over token ids [0, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]

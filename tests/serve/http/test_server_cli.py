@@ -18,9 +18,9 @@ import pytest
 
 from kiln.cli import main
 from kiln.serve.limits import check_exposure, is_loopback, key_matches
-from tests.serve.conftest import RunningServer
+from tests.serve.http.conftest import RunningServer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 START_S = 60.0
 
 

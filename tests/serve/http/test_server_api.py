@@ -20,7 +20,7 @@ import pytest
 
 from kiln.serve.limits import ServerLimits
 from kiln.serve.sampling import SamplingParams
-from tests.serve.conftest import RunningServer, serve_model, wait_until
+from tests.serve.http.conftest import RunningServer, serve_model, wait_until
 
 PROMPT = "Once upon a time, there was a little dog"
 TIMEOUT = 30.0

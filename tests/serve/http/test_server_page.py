@@ -18,7 +18,7 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 
 from kiln.serve.server import PAGE_POLICY, page_html
-from tests.serve.conftest import RunningServer, serve_model
+from tests.serve.http.conftest import RunningServer, serve_model
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 STEP_DELAY_S = 0.01  # slows the engine so a person (and this test) can watch the story grow
