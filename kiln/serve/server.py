@@ -372,11 +372,16 @@ class Service:
     # -- token text --
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
-        """A token's text (undecodable bytes shown as U+FFFD) and its bytes."""
+        """A token's text and bytes; a token that is part of a UTF-8 character is named as
+        OpenAI names one, `bytes:\\xe2\\x80`, so distinct tokens keep distinct names."""
         found = self._pieces.get(token_id)
         if found is None:
             raw = self.tokenizer.id_to_token(token_id) if self.tokenizer is not None else b""
-            found = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            found = self._pieces[token_id] = (text, raw)
         return found
 
     def completion_entry(self, event: Any) -> tuple[str, float | None, dict[str, float]]:

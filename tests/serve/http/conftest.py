@@ -22,12 +22,9 @@ import pytest
 import kiln
 from kiln.serve.chat_template import CHAT_TOKENS
 from kiln.tokenizer.special import EOT
-from tests.fixtures import single_torch_thread
 
 STORIES = Path(kiln.__file__).parent / "assets" / "tinystories_valid.txt.gz"
 START_TIMEOUT_S = 30.0
-
-_one_thread = pytest.fixture(autouse=True)(single_torch_thread)
 
 
 def build_model_dir(root: Path, specials: tuple[str, ...], block_size: int = 512) -> Path:

@@ -50,7 +50,12 @@ def test_keys_are_compared_whole_and_only_as_bearer_tokens() -> None:
 
 
 def test_the_server_reads_no_path_a_client_names(base_server: RunningServer) -> None:
-    for path in ("/../pyproject.toml", "/web/index.html", "/static/../../etc/passwd", "/tokenizer.json"):
+    for path in (
+        "/../pyproject.toml",
+        "/web/index.html",
+        "/static/../../etc/passwd",
+        "/tokenizer.json",
+    ):
         response = httpx.get(base_server.url + path, timeout=10)
         assert response.status_code == 404, path
         assert "error" in response.json()
@@ -89,9 +94,10 @@ def test_sigterm_lets_running_streams_finish_within_the_grace_then_cancels_and_e
         first = threading.Event()
 
         def read() -> None:
-            with httpx.Client(timeout=60) as http, http.stream(
-                "POST", url + "/v1/completions", json=body
-            ) as response:
+            with (
+                httpx.Client(timeout=60) as http,
+                http.stream("POST", url + "/v1/completions", json=body) as response,
+            ):
                 for line in response.iter_lines():
                     lines.append(line)
                     first.set()
