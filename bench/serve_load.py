@@ -10,8 +10,11 @@ spent. Reported: requests/s, generated tokens/s, time to first token and the gap
 streamed tokens (p50/p99), failed requests, and the server's resident memory after a warm-up
 and after the load. The offline figure runs the same requests through `Engine` in this process
 (engine loop in a thread, the same number of client threads submitting and iterating handles,
-no HTTP), so the ratio is what HTTP, JSON and SSE cost. Offline and HTTP runs alternate for
-`--rounds` rounds, so load from other processes hits both alike.
+no HTTP), so the ratio is what HTTP, JSON and SSE cost; one more row hands every request to
+`engine.generate` at once. Offline and HTTP runs alternate for `--rounds` rounds, so load from
+other processes hits both alike. The server's memory is read after every HTTP round: growth
+that stops after the first rounds is glibc's per-thread malloc arenas keeping freed memory
+(`--malloc-arena-max 2` caps them), growth that goes on would be a leak.
 """
 
 from __future__ import annotations
@@ -145,6 +148,8 @@ def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore
         first, last, gaps, count = None, None, [], 0
         for event in handle:
             count += 1
+            if not event.text:  # as the HTTP client: a token that released no text yet
+                continue
             now = time.perf_counter()
             if first is None:
                 first = now
@@ -160,10 +165,29 @@ def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore
     return one
 
 
-def start_server(model: str, max_concurrent: int) -> tuple[subprocess.Popen[str], str, str]:
-    """`kiln serve MODEL --port 0`; its process, base URL and model name."""
+def engine_batch(engine, requests: int, max_tokens: int, temperature: float) -> Load:  # type: ignore[no-untyped-def]
+    """Every request handed to engine.generate at once: the engine's best batched throughput."""
+    from kiln.serve.sampling import SamplingParams
+
+    prompts = [engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
+              for i in range(requests)]  # fmt: skip
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    load = Load(wall_s=time.perf_counter() - start, requests=requests)
+    load.tokens = sum(len(c.token_ids) for sample in done for c in sample)
+    return load
+
+
+def start_server(
+    model: str, max_concurrent: int, arenas: int | None
+) -> tuple[subprocess.Popen[str], str, str]:
+    """`kiln serve MODEL --port 0` (glibc malloc arenas capped when asked); its process, base
+    URL and model name."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
+    if arenas is not None:
+        env["MALLOC_ARENA_MAX"] = str(arenas)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", model, "--port", "0",
          "--max-concurrent", str(max_concurrent)],
@@ -208,6 +232,10 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--rounds", type=int, default=2, help="offline/HTTP pairs, alternating")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument(
+        "--malloc-arena-max", type=int, default=None,
+        help="MALLOC_ARENA_MAX for the server (glibc's per-thread arenas hold freed memory)",
+    )  # fmt: skip
     args = p.parse_args()
 
     import torch
@@ -215,7 +243,7 @@ def main() -> None:
     from kiln.loading import load_model
     from kiln.serve.engine import Engine
 
-    proc, url, name = start_server(args.model, max_concurrent=args.clients)
+    proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
     try:
         loaded = load_model(args.model)
         engine = Engine.from_loaded(loaded)
@@ -229,7 +257,9 @@ def main() -> None:
             args.clients, args.clients, engine_request(engine, args.max_tokens, args.temperature)
         )
         before = rss_mib(proc.pid)
-        rows = []
+        rows, rss = [], []
+        batched = engine_batch(engine, args.requests, args.max_tokens, args.temperature)
+        rows.append(summary("engine.generate, all requests at once", batched))
         for r in range(args.rounds):
             offline = run_clients(args.clients, args.requests,
                                   engine_request(engine, args.max_tokens, args.temperature))  # fmt: skip
@@ -239,7 +269,8 @@ def main() -> None:
             rows.append(summary(f"HTTP kiln serve (round {r + 1})", http))
             for e in http.errors[:3]:
                 print("  failure:", e)
-        after = rss_mib(proc.pid)
+            rss.append(rss_mib(proc.pid))
+        after = rss[-1]
         engine.stop()
     finally:
         proc.terminate()
@@ -255,11 +286,12 @@ def main() -> None:
     off = statistics.mean(float(r["tok_per_s"]) for r in rows if "offline" in str(r["run"]))
     on = statistics.mean(float(r["tok_per_s"]) for r in rows if "HTTP" in str(r["run"]))
     print(f"HTTP / offline tokens/s: {on / off:.2f} (mean of {args.rounds} rounds each)")
-    print(f"server RSS: {before:.0f} MiB after warm-up, {after:.0f} MiB after the load "
-          f"({after - before:+.0f} MiB); server exit status on SIGTERM: {code}")  # fmt: skip
+    rounds = ", ".join(f"{m:.0f}" for m in rss)
+    print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
+          f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "rss_before_mib": before,
-                                               "rss_after_mib": after, "exit": code}, indent=2))  # fmt: skip
+                                               "rss_after_rounds_mib": rss, "exit": code}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":
