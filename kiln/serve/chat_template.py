@@ -1,56 +1,60 @@
-"""Chat messages to prompt ids, when the model's tokenizer has kiln's chat control tokens.
+"""Chat requests to prompt ids, through the model's chat template when its tokenizer has one.
 
-A tokenizer that holds <|system|>, <|user|>, <|assistant|> and <|end|> as special tokens (what
-post-training adds) renders a conversation as `<|role|>text<|end|>` per message, then
-`<|assistant|>` for the reply, which ends at <|end|>. Every message's text is encoded under the
-refusing policy, so text that spells a control token is an error naming the message. A base
-model has no such tokens: `ChatTemplate.of` returns None and the server answers chat with a 400.
+The layout is kiln's one chat format (`kiln.tokenizer.chat`: each message its role token, its
+text, `<|end|>`, then `<|assistant|>` for the reply, which stops at `<|end|>`), shared with
+export and post-training. A base model's tokenizer has no chat tokens: `ServerChat.of` returns
+None and the server answers chat requests with a 400 saying so. Message text that spells a
+control token is refused, in every message; the error names the message as OpenAI's `param`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
+from kiln.tokenizer.chat import ChatTemplate, chat_template_of, render
 from kiln.tokenizer.tokenizer import Tokenizer
-from kiln.tokenizer.user_text import encode_user_text
 
-SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
-CHAT_TOKENS = (SYSTEM, USER, ASSISTANT, END)
 # OpenAI's "developer" role is its newer name for "system".
-ROLE_TOKENS = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
-NO_OPT_IN = "send token ids to /v1/completions"
+ROLE_NAMES = {"developer": "system"}
+
+
+class ChatMessageError(KilnError):
+    """A chat message the template refuses; `param` names it (messages[i].content)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
-class ChatTemplate:
-    """The chat control tokens' ids in one tokenizer, and how a conversation renders with them."""
+class ServerChat:
+    """A tokenizer and its chat template, rendering API messages to prompt ids."""
 
     tokenizer: Tokenizer
-    role_ids: dict[str, int]
-    end_id: int
+    template: ChatTemplate
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer | None) -> ChatTemplate | None:
-        """The template of a tokenizer holding all four chat tokens, else None (a base model)."""
-        if tokenizer is None:
-            return None
-        specials = tokenizer.special_tokens
-        if not all(t in specials for t in CHAT_TOKENS):
-            return None
-        roles = {role: specials[token] for role, token in ROLE_TOKENS.items()}
-        return cls(tokenizer, roles, specials[END])
+    def of(cls, tokenizer: Tokenizer | None) -> ServerChat | None:
+        """The chat of a tokenizer with the chat tokens, else None (a base model)."""
+        template = chat_template_of(tokenizer) if tokenizer is not None else None
+        return None if template is None else cls(tokenizer, template)  # type: ignore[arg-type]
+
+    @property
+    def end_id(self) -> int:
+        """The id that ends a reply."""
+        return self.template.end_id
 
     def render(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Prompt ids of (role, text) messages followed by the assistant's turn.
-
-        Text that spells a special token raises KilnError naming messages[i].content.
-        """
-        ids: list[int] = []
-        for i, (role, text) in enumerate(messages):
-            where = f"messages[{i}].content"
-            ids.append(self.role_ids[role])
-            ids += encode_user_text(self.tokenizer, text, False, where, NO_OPT_IN)
-            ids.append(self.end_id)
-        ids.append(self.role_ids["assistant"])
-        return ids
+        """Prompt ids of (role, text) messages followed by the assistant's turn."""
+        conversation = [{"role": ROLE_NAMES.get(r, r), "content": t} for r, t in messages]
+        try:
+            return render(
+                conversation, self.tokenizer, add_generation_prompt=True, where="messages"
+            ).ids
+        except KilnError as exc:
+            found = re.search(r"message (\d+)", str(exc))
+            param = f"messages[{found.group(1)}].content" if found else "messages"
+            raise ChatMessageError(str(exc), param) from None

@@ -32,7 +32,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.errors import KilnError
-from kiln.serve.chat_template import ChatTemplate
+from kiln.serve.chat_template import ChatMessageError, ServerChat
 from kiln.serve.limits import ServerLimits, key_matches
 from kiln.serve.metrics import ServerMetrics
 from kiln.serve.openai_schema import (
@@ -183,7 +183,7 @@ class Service:
         self.max_prompt = min(
             self.limits.max_prompt_tokens or context_length - 1, context_length - 1
         )
-        self.chat = ChatTemplate.of(tokenizer)
+        self.chat = ServerChat.of(tokenizer)
         self.eot_id = getattr(engine, "eot_id", None)
         self.vocab_size = tokenizer.n_vocab if tokenizer is not None else None
         self.metrics = ServerMetrics()
@@ -295,11 +295,8 @@ class Service:
             )  # fmt: skip
         try:
             return self.chat.render([(m.role, m.text()) for m in req.messages])
-        except KilnError as exc:
-            param = re.match(r"messages\[\d+\]\.content", str(exc))
-            raise ApiError(
-                400, str(exc), param.group() if param else "messages", "special_token_in_prompt"
-            ) from None
+        except ChatMessageError as exc:
+            raise ApiError(400, str(exc), exc.param, "special_token_in_prompt") from None
 
     # -- sampling --
 

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 import kiln
-from kiln.serve.chat_template import CHAT_TOKENS
-from kiln.tokenizer.special import EOT
+from kiln.tokenizer.special import CHAT_TOKENS, EOT
 
 STORIES = Path(kiln.__file__).parent / "assets" / "tinystories_valid.txt.gz"
 START_TIMEOUT_S = 30.0
