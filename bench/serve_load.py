@@ -20,6 +20,7 @@ that stops after the first rounds is glibc's per-thread malloc arenas keeping fr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -52,6 +53,14 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)  # seconds between consecutive streamed tokens
     errors: list[str] = field(default_factory=list)
+
+    def add(self, lock: threading.Lock, sent: float, stamps: list[float], tokens: int) -> None:
+        """One finished request: sent at `sent`, text arriving at `stamps`, `tokens` in all."""
+        with lock:
+            self.requests += 1
+            self.tokens += tokens
+            self.ttft.append((stamps[0] if stamps else time.perf_counter()) - sent)
+            self.gaps += [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -102,7 +111,7 @@ def http_request(url: str, model: str, max_tokens: int, temperature: float):  # 
                 "temperature": temperature, "seed": i, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         sent = time.perf_counter()
-        first, last, gaps, used, done = None, None, [], None, False
+        stamps, used, done = [], None, False
         with http.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
@@ -118,19 +127,10 @@ def http_request(url: str, model: str, max_tokens: int, temperature: float):  # 
                 if chunk.get("usage"):
                     used = chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
+                    stamps.append(time.perf_counter())
         if not done or used is None:
             raise RuntimeError("stream ended without usage and [DONE]")
-        with lock:
-            load.requests += 1
-            load.tokens += used
-            load.ttft.append((first or time.perf_counter()) - sent)
-            load.gaps += gaps
+        load.add(lock, sent, stamps, used)
 
     return one
 
@@ -145,22 +145,12 @@ def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
         sent = time.perf_counter()
         handle = engine.submit(tok.encode(PROMPTS[i % len(PROMPTS)]), params)
-        first, last, gaps, count = None, None, [], 0
+        stamps, count = [], 0
         for event in handle:
             count += 1
-            if not event.text:  # as the HTTP client: a token that released no text yet
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-            last = now
-        with lock:
-            load.requests += 1
-            load.tokens += count
-            load.ttft.append((first or time.perf_counter()) - sent)
-            load.gaps += gaps
+            if event.text:  # as the HTTP client sees it: tokens that released text
+                stamps.append(time.perf_counter())
+        load.add(lock, sent, stamps, count)
 
     return one
 
