@@ -13,8 +13,9 @@ and after the load. The offline figure runs the same requests through `Engine` i
 no HTTP), so the ratio is what HTTP, JSON and SSE cost; one more row hands every request to
 `engine.generate` at once. Offline and HTTP runs alternate for `--rounds` rounds, so load from
 other processes hits both alike. The server's memory is read after every HTTP round: growth
-that stops after the first rounds is glibc's per-thread malloc arenas keeping freed memory
-(`--malloc-arena-max 2` caps them), growth that goes on would be a leak.
+that stops is the KV block pool's pages being written for the first time (the pool is
+allocated empty; the bench prints its size) or glibc's per-thread malloc arenas keeping freed
+memory (`--malloc-arena-max 2` caps them); growth that goes on would be a leak.
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ def main() -> None:
     import torch
 
     from kiln.loading import load_model
+    from kiln.serve.block_pool import block_bytes
     from kiln.serve.engine import Engine
 
     proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
@@ -277,6 +279,10 @@ def main() -> None:
     on = statistics.mean(float(r["tok_per_s"]) for r in rows if "HTTP" in str(r["run"]))
     print(f"HTTP / offline tokens/s: {on / off:.2f} (mean of {args.rounds} rounds each)")
     rounds = ", ".join(f"{m:.0f}" for m in rss)
+    pool_mib = engine.pool.num_blocks * block_bytes(loaded.model.cfg, engine.pool.block_size,
+                                                    engine.pool.k.dtype) / 2**20  # fmt: skip
+    print(f"KV block pool: {engine.pool.num_blocks} blocks, {pool_mib:.0f} MiB (allocated empty: "
+          "its pages join the RSS as blocks are first written)")  # fmt: skip
     print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
           f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
     if args.json:
