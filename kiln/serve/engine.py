@@ -281,7 +281,7 @@ class Engine:
             num_blocks = c.num_blocks
         else:
             memory = c.kv_cache_bytes or c.default_kv_bytes
-            num_blocks = memory // per_block
+            num_blocks = memory // per_block - 1  # the pool keeps one zero block besides
             if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
                 num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
         if num_blocks < 1:
@@ -465,8 +465,10 @@ class Engine:
         """Logits (R, V) of the rows that sample, one forward over all segments."""
         tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
         idx = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]  # (1, N)
-        cache = PagedStep(self.pool, [w.segment() for w in work], self.device)
-        rows = [b - 1 for w, (_, b) in zip(work, cache.bounds, strict=True) if w.sample]
+        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
+                          invariant=self.config.batch_invariant)  # fmt: skip
+        ends = list(itertools.accumulate(w.end - w.start for w in work))
+        rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
         mode = (
             BatchInvariant(self.config.invariant_rows)
             if self.config.batch_invariant
