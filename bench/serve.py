@@ -187,7 +187,7 @@ def main() -> None:
             runners[key] = lambda w, e=engine: run_kiln(e, w)
         hf = to_hf(model)
         hf.config._attn_implementation = "sdpa"
-        runners["hf"] = lambda w: run_hf(hf, w)
+        runners["hf"] = lambda w, m=hf: run_hf(m, w)
         tmp = tempfile.TemporaryDirectory()
         if any(s.startswith("ct2") for s in systems):
             for key, gen in ct2_generators(model, Path(tmp.name), args.threads).items():

@@ -86,13 +86,20 @@ class PagedStep:
             at += T
         self.n_tokens = at
         self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        self.decode_ends = torch.tensor([s.end for s in decode], dtype=torch.long, device=device)
+        ends = torch.tensor([s.end for s in decode], dtype=torch.long)
+        self.decode_ends = ends.to(device)
         self.decode_slots: Tensor | None = None
         if decode:
             width = -(-max(s.end for s in decode) // PAD) * PAD
-            slots = torch.full((len(decode), width), pool.zero_slot, dtype=torch.long)
-            for row, seg in enumerate(decode):
-                slots[row, : seg.end] = _slots(seg.table, seg.end, bs)
+            n_blocks = -(-width // bs)
+            zero_block = pool.zero_slot // bs
+            tables = torch.tensor([
+                list(s.table[: -(-s.end // bs)]) + [zero_block] * (n_blocks - -(-s.end // bs))
+                for s in decode
+            ])  # (B, n_blocks)  # fmt: skip
+            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decode), -1)[:, :width]
+            beyond = torch.arange(width)[None] >= ends[:, None]
+            slots = slots.masked_fill(beyond, pool.zero_slot)
             self.decode_slots = slots.to(device)  # (B, S); padding reads the zero block
         self._masks: dict[tuple[int, int | None], Tensor | None] = {}
         self._valid: dict[int | None, Tensor] = {}
