@@ -27,7 +27,7 @@ from kiln.model.transformer import Transformer
 from kiln.serve.block_pool import BlockPool, block_bytes
 from kiln.serve.invariant import BatchInvariant
 from kiln.serve.paged_cache import PagedStep
-from kiln.serve.sampling import SamplingParams, sample_generator, sample_token
+from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
 from kiln.serve.scheduler import Scheduler, Work
 from kiln.serve.scheduler import Sequence as Seq
 from kiln.serve.stop import TextStream
@@ -281,7 +281,7 @@ class Engine:
             num_blocks = c.num_blocks
         else:
             memory = c.kv_cache_bytes or c.default_kv_bytes
-            num_blocks = memory // per_block
+            num_blocks = memory // per_block - 1  # the pool keeps one zero block besides
             if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
                 num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
         if num_blocks < 1:
@@ -446,6 +446,7 @@ class Engine:
             row = 0
             for w in work:
                 self.scheduler.computed(w.seq, w.end - w.start)
+            argmax: list[int] | None = None  # plain greedy rows share one batched argmax
             for w in work:
                 if not w.sample:
                     continue
@@ -453,7 +454,12 @@ class Engine:
                 request = sample.request
                 if sample.done is None:
                     try:
-                        produced += self._advance(sample, logits[row])
+                        if request.params.plain_greedy and request.params.n == 1:
+                            if argmax is None:
+                                argmax = logits.argmax(dim=-1).tolist()
+                            produced += self._emit(sample, Sampled(argmax[row], None, None))
+                        else:
+                            produced += self._advance(sample, logits[row])
                     except Exception as exc:  # this request fails alone
                         self._fail(request, exc)
                 row += 1
@@ -465,8 +471,10 @@ class Engine:
         """Logits (R, V) of the rows that sample, one forward over all segments."""
         tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
         idx = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]  # (1, N)
-        cache = PagedStep(self.pool, [w.segment() for w in work], self.device)
-        rows = [b - 1 for w, (_, b) in zip(work, cache.bounds, strict=True) if w.sample]
+        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
+                          invariant=self.config.batch_invariant)  # fmt: skip
+        ends = list(itertools.accumulate(w.end - w.start for w in work))
+        rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
         mode = (
             BatchInvariant(self.config.invariant_rows)
             if self.config.batch_invariant
@@ -493,9 +501,15 @@ class Engine:
     def _sample_one(self, sample: _Sample, logits: torch.Tensor) -> int:
         seq = sample.seq
         assert seq is not None
+        picked = sample_token(logits, sample.request.params, seq.tokens[: seq.prompt_len],
+                              sample.generated, sample.generator)  # fmt: skip
+        return self._emit(sample, picked)
+
+    def _emit(self, sample: _Sample, picked: Sampled) -> int:
+        """Append a sampled token: stop checks, text, the event; 1 if a token was produced."""
+        seq = sample.seq
+        assert seq is not None
         params = sample.request.params
-        picked = sample_token(logits, params, seq.tokens[: seq.prompt_len], sample.generated,
-                              sample.generator)  # fmt: skip
         if picked.token_id in sample.request.stop_ids:
             self._complete(sample, "stop")
             return 0
