@@ -10,6 +10,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,11 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         driver.quit()
 
 
-@pytest.fixture
-def slow_server(base_model: Path) -> Iterator[RunningServer]:
-    """The base model served by an engine that sleeps a little each step and, since a random
-    model ends its text at a random end-of-text token, runs every request to its length."""
-    with serve_model(base_model) as server:
+@contextmanager
+def watchable(model: Path) -> Iterator[RunningServer]:
+    """`model` served by an engine that sleeps a little each step and, since a random model
+    ends its text at a random end-of-text token, runs every request to its length."""
+    with serve_model(model) as server:
         engine = server.engine
         step, submit = engine.step, engine.submit
 
@@ -83,6 +84,12 @@ def slow_server(base_model: Path) -> Iterator[RunningServer]:
             return submit(ids, replace(params, ignore_eos=True))
 
         engine.step, engine.submit = slow_step, submit_to_length
+        yield server
+
+
+@pytest.fixture
+def slow_server(base_model: Path) -> Iterator[RunningServer]:
+    with watchable(base_model) as server:
         yield server
 
 
@@ -161,3 +168,32 @@ def test_write_watch_it_stream_stop_continue_and_look_inside(
     assert story_text(d).startswith(stopped_at.rstrip()[:40])
     for name in ("1-streaming", "2-stopped", "3-look-inside", "4-illustrated"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+def test_a_chat_model_writes_and_rewrites_the_story_on_request(
+    browser: Any, chat_model: Path, tmp_path: Path
+) -> None:
+    d = browser
+    with watchable(chat_model) as server:
+        d.get(server.url + "/")
+        wait_for(d, lambda d: "chat template: yes" in d.find_element("id", "model").text, "model")
+        d.execute_script(
+            "const s = document.getElementById('length'); s.value = 40;"
+            "s.dispatchEvent(new Event('input'));"
+        )
+        d.find_element("id", "words").send_keys("dog, ball")
+        d.find_element("id", "write").click()
+        status = d.find_element("id", "status")
+        wait_for(d, lambda d: status.text.startswith("Done"), "the story")
+        first = story_text(d)
+        assert first and "dog" in d.find_element("id", "words-used").text
+        change = d.find_element("id", "change")
+        assert change.is_enabled()
+        change.send_keys("make it happier")
+        d.find_element("id", "apply").click()
+        stop = d.find_element("id", "stop")
+        wait_for(d, lambda d: not stop.is_enabled() and story_text(d) != first, "the change")
+        assert status.text.startswith("Done"), status.text
+        d.save_screenshot(str(tmp_path / "chat-change.png"))
+        items = d.find_elements("css selector", "#history li")
+        assert len(items) == 2 and "changed: make it happier" in items[0].text
