@@ -115,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kiln.serve.engine import Engine, EngineConfig
     from kiln.serve.server import ServerOptions, create_app, run_server
 
+    sock = bind(args.host, args.port)  # a taken port fails before the model loads
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     engine_options = {"max_waiting": limits.max_waiting}
     if args.max_num_seqs is not None:
@@ -123,7 +124,6 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.model_name or Path(args.model).resolve().name
     options = ServerOptions(name, limits, api_key, tuple(args.cors_origin))
     app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, options)
-    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"kiln serve: {loaded.source}", file=sys.stderr)

@@ -32,16 +32,16 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tokens", "max_n", "max_prompts", "max_concurrent"):
-            value = getattr(self, name)
-            require(value >= 1, f"serve limit {name}: must be at least 1, got {value}")
-        require(
-            self.max_waiting >= 0, f"serve limit max_waiting: must be >= 0, got {self.max_waiting}"
-        )
+            _at_least(name, getattr(self, name), 1)
+        _at_least("max_waiting", self.max_waiting, 0)
         if self.max_prompt_tokens is not None:
-            require(
-                self.max_prompt_tokens >= 1,
-                f"serve limit max_prompt_tokens: must be at least 1, got {self.max_prompt_tokens}",
-            )
+            _at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    """One limit's check; the message names the limit and its command-line flag."""
+    flag = "--" + name.replace("_", "-")
+    require(value >= low, f"serve limit {name} ({flag}): must be at least {low}, got {value}")
 
 
 def is_loopback(host: str) -> bool:

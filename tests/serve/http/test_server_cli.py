@@ -18,7 +18,7 @@ import pytest
 
 from kiln.cli import main
 from kiln.serve.limits import check_exposure, is_loopback, key_matches
-from tests.serve.http.conftest import RunningServer
+from tests.serve.http.conftest import RunningServer, serve_model
 
 ROOT = Path(__file__).resolve().parents[3]
 START_S = 60.0
@@ -41,6 +41,27 @@ def test_any_other_host_refuses_to_start_without_a_key(
     assert f"--host {host}: serving beyond this machine needs an API key" in err
     assert "KILN_API_KEY" in err and err.count("\n") == 1
     check_exposure(host, "a-key")  # with a key it may
+
+
+def test_cors_is_off_unless_an_origin_is_given(
+    base_model: Path, base_server: RunningServer
+) -> None:
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST"}
+    closed = httpx.options(base_server.api + "/completions", headers=preflight, timeout=10)
+    assert "access-control-allow-origin" not in closed.headers
+    with serve_model(base_model, cors_origins=("http://page.example",)) as server:
+        opened = httpx.options(server.api + "/completions", headers=preflight, timeout=10)
+        assert opened.headers["access-control-allow-origin"] == "http://page.example"
+        other = {**preflight, "Origin": "http://elsewhere.example"}
+        refused = httpx.options(server.api + "/completions", headers=other, timeout=10)
+        assert "access-control-allow-origin" not in refused.headers
+
+
+def test_a_bad_limit_is_one_line_naming_its_flag(
+    base_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", str(base_model), "--max-n", "0"]) == 2
+    assert "serve limit max_n (--max-n): must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_keys_are_compared_whole_and_only_as_bearer_tokens() -> None:
