@@ -83,6 +83,13 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
         error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         return JSONResponse(error.body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The traceback goes to the server's log (uvicorn's); the client gets OpenAI's shape.
+        service.metrics.count_request("http_500")
+        error = ApiError(500, f"internal server error ({type(exc).__name__})", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page, headers={"Content-Security-Policy": PAGE_POLICY})

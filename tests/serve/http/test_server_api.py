@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,23 @@ def test_n_samples_and_a_seed_reproduce_over_http(client: openai.OpenAI) -> None
     again = client.completions.create(**args)  # type: ignore[call-overload]
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
+
+
+def test_a_batch_of_prompts_gives_n_choices_each_in_prompt_order(
+    client: openai.OpenAI, base_server: RunningServer
+) -> None:
+    prompts = [PROMPT, "The cat sat"]
+    args = dict(model="tiny", max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=prompts, **args)  # type: ignore[call-overload]
+    alone = [client.completions.create(prompt=p, **args).choices[0].text for p in prompts]  # type: ignore[call-overload]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert out.usage.prompt_tokens == sum(len(encode(base_server, p)) for p in prompts)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **args):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[k] for k in range(4)] == [c.text for c in out.choices]
 
 
 def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
@@ -354,6 +372,25 @@ def test_the_concurrent_request_limit_is_a_429(base_model: Path) -> None:
         assert (
             client_for(server).completions.create(model="tiny", prompt="hi", max_tokens=2).choices
         )
+
+
+def test_a_request_that_fails_in_the_engine_is_a_500_and_an_error_event(base_model: Path) -> None:
+    def boom(ids: object, logits: object) -> object:
+        raise RuntimeError("a broken logits processor")
+
+    with serve_model(base_model) as server:
+        submit = server.engine.submit
+        server.engine.submit = lambda ids, params: submit(  # type: ignore[method-assign]
+            ids, replace(params, logits_processors=(boom,))
+        )
+        client = client_for(server)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+        assert "generation failed" in err.value.message
+        with pytest.raises(openai.APIError, match="generation failed"):
+            list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, stream=True))
+        server.engine.submit = submit  # type: ignore[method-assign]
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
 
 
 # ---- disconnects ------------------------------------------------------------------------------
