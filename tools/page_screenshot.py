@@ -3,8 +3,8 @@
     .venv/bin/python tools/page_screenshot.py runs/demo-20261201-110757 docs/images/storyteller.png
 
 Starts `kiln serve MODEL --port 0`, opens the page in headless chromium, writes a story from a
-prompt and required words at a fixed seed-free temperature, opens "Look inside", hovers one
-token, illustrates the story and saves the window.
+prompt and required words (temperature 0.8, not seeded), illustrates it, opens "Look inside",
+hovers one token and saves the window.
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ def main() -> None:
     url = next(m.group(1) for line in proc.stderr if (m := re.search(r"at (http://\S+?)/ ", line)))
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1500,1320"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1500,1320",
+    ):
         options.add_argument(flag)
     d = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     try:
