@@ -270,6 +270,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eot_id = eot_id
+        self.extra_stop_ids: frozenset[int] = frozenset()  # more end-of-sequence ids (HF configs)
         self.drafter = drafter  # reserved for speculative decoding (kiln.serve.speculative)
         self._autocast = autocast or contextlib.nullcontext
         param = next(model.parameters())
@@ -314,8 +315,6 @@ class Engine:
                      autocast=loaded.autocast)  # fmt: skip
         engine.extra_stop_ids = frozenset(loaded.stop_ids)
         return engine
-
-    extra_stop_ids: frozenset[int] = frozenset()  # further end-of-sequence ids (HF configs)
 
     @property
     def background(self) -> bool:
