@@ -9,13 +9,11 @@ CPU a request's logits do not depend on the rest of the batch (see `invariant.py
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +25,7 @@ from kiln.model.transformer import Transformer
 from kiln.serve.block_pool import BlockPool, block_bytes
 from kiln.serve.invariant import BatchInvariant
 from kiln.serve.paged_cache import PagedStep
+from kiln.serve.requests import Completion, RequestHandle, TokenEvent
 from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
 from kiln.serve.scheduler import Scheduler, Work
 from kiln.serve.scheduler import Sequence as Seq
@@ -35,6 +34,12 @@ from kiln.serve.stop import TextStream
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
     from kiln.tokenizer.tokenizer import Tokenizer
+
+
+__all__ = [
+    "Completion", "Engine", "EngineConfig", "EngineFull", "EngineStats", "RequestHandle",
+    "TokenEvent",
+]  # fmt: skip
 
 
 class EngineFull(KilnError):
@@ -96,29 +101,6 @@ class EngineStats:
     steps: int
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one sample, with the text it releases."""
-
-    index: int  # which of the n samples (0..n-1)
-    token_id: int
-    text: str  # "" while a possible stop string or an incomplete UTF-8 sequence is held back
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None  # best first, when params.logprobs
-
-
-@dataclass
-class Completion:
-    """One finished sample."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    logprobs: list[TokenEvent] | None
-    error: str | None = None
-
-
 @dataclass(eq=False)
 class _Sample:
     """The engine's state for one sample of a request."""
@@ -144,115 +126,6 @@ class _Request:
     cancelled: bool = False
 
 
-_ids = itertools.count()
-
-
-class RequestHandle:
-    """A submitted request: iterate its tokens as they come, cancel it, or wait for the result."""
-
-    def __init__(self, engine: Engine, prompt_ids: list[int], n: int) -> None:
-        self.request_id = f"req-{next(_ids)}"
-        self.prompt_ids = prompt_ids
-        self.engine = engine
-        self.n = n
-        self.done = False
-        self.submit_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self._events: deque[TokenEvent] = deque()
-        self._completions: dict[int, Completion] = {}
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # ------------------------------------------------------------------------ engine side
-    def _push(self, event: TokenEvent) -> None:
-        with self._cond:
-            if self.first_token_time is None:
-                self.first_token_time = time.monotonic()
-            self._events.append(event)
-        self._notify()
-
-    def _finish(self, completion: Completion) -> None:
-        with self._cond:
-            self._completions[completion.index] = completion
-            if len(self._completions) == self.n:
-                self.finish_time = time.monotonic()
-                self.done = True
-        self._notify()
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
-
-    # ------------------------------------------------------------------------ caller side
-    def _next(self, timeout: float | None) -> TokenEvent | None:
-        """The next event, driving the engine when no background loop does; None at the end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                if self._events:
-                    return self._events.popleft()
-                if self.done:
-                    return None
-                if self.engine.background:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"{self.request_id} did not finish in time")
-                    self._cond.wait(0.05 if left is None else min(left, 0.05))
-                    continue
-            self.engine.step()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        """Token events of all n samples as they are produced (blocking)."""
-        while (event := self._next(None)) is not None:
-            yield event
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """Token events for asyncio code (steps the engine in a worker thread if nothing does)."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, wake))
-        try:
-            while True:
-                with self._cond:
-                    event = self._events.popleft() if self._events else None
-                    finished = self.done and event is None
-                    wake.clear()
-                if event is not None:
-                    yield event
-                elif finished:
-                    return
-                elif self.engine.background:
-                    await wake.wait()
-                else:
-                    await loop.run_in_executor(None, self.engine.step)
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, wake))
-
-    def cancel(self) -> None:
-        """Stop generating; the request's KV blocks are freed at the next step at the latest."""
-        self.engine._cancel(self)
-
-    def result(self, timeout: float | None = None) -> list[Completion]:
-        """The n completions, sample index order, once all are finished."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"{self.request_id} did not finish in time")
-            if self.engine.background:
-                with self._cond:
-                    self._cond.wait(0.05 if left is None else min(left, 0.05))
-            else:
-                self.engine.step()
-        return [self._completions[i] for i in range(self.n)]
-
-
 class Engine:
     """Continuous batching over a paged KV cache for one model (see the module docstring)."""
 
@@ -270,6 +143,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eot_id = eot_id
+        self.extra_stop_ids: frozenset[int] = frozenset()  # more end-of-sequence ids (HF configs)
         self.drafter = drafter  # reserved for speculative decoding (kiln.serve.speculative)
         self._autocast = autocast or contextlib.nullcontext
         param = next(model.parameters())
@@ -314,8 +188,6 @@ class Engine:
                      autocast=loaded.autocast)  # fmt: skip
         engine.extra_stop_ids = frozenset(loaded.stop_ids)
         return engine
-
-    extra_stop_ids: frozenset[int] = frozenset()  # further end-of-sequence ids (HF configs)
 
     @property
     def background(self) -> bool:

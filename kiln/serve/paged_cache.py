@@ -4,12 +4,14 @@ Every scheduled piece of work (a decode token, a prefill chunk) is a segment of 
 their tokens are concatenated into a single (1, N) batch so the linear layers run once for all
 of them. Attention first writes the new keys and values into the block pool, then:
 
-- all single-token (decode) segments attend together: their block tables are gathered into one
-  (B, H_kv, S, D) batch padded to a multiple of 16 keys, and attention is computed by explicit
-  elementwise products and sums, with the padding masked to exactly zero weight. Every reduction
-  then runs over the same values in the same order whatever the padding, so a row's result does
-  not depend on the other rows or on how far the longest of them reaches (measured: batched
-  matmuls do not have this property on CPU). With invariant=False, one fused SDPA instead;
+- single-token (decode) segments attend in groups: each row's keys are gathered from its block
+  table and padded (from an all-zero block, masked out) to its bucket, the next power of two of
+  its length (at least 16). Rows of one bucket run as one batched matmul / softmax / matmul.
+  The shapes a row goes through depend only on its own length, and measured on CPU (1 and 2
+  threads) a batched matmul gives each batch entry the same bits whatever the batch count, so
+  a row's result does not depend on the rest of the batch. (Fused SDPA is not batch-invariant
+  with 2 threads; padding every row to the batch's longest would not be either.) With
+  invariant=False all decode rows run as one fused SDPA over the longest length instead;
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
   that depend only on the segment.
 """
@@ -85,24 +87,33 @@ class PagedStep:
                 self.prefill.append((seg, _slots(seg.table, seg.end, bs).to(device), at, at + T))
             at += T
         self.n_tokens = at
-        self.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        ends = torch.tensor([s.end for s in decode], dtype=torch.long)
-        self.decode_ends = ends.to(device)
-        self.decode_slots: Tensor | None = None
-        if decode:
-            width = -(-max(s.end for s in decode) // PAD) * PAD
+        zero_block = pool.zero_slot // bs
+        if invariant:
+            buckets: dict[int, list[int]] = {}
+            for i, seg in enumerate(decode):
+                buckets.setdefault(max(PAD, 1 << (seg.end - 1).bit_length()), []).append(i)
+            groups = list(buckets.values())
+        else:
+            groups = [list(range(len(decode)))] if decode else []
+        # Per group: packed rows, key slots (B, S) padded from the zero block, key counts.
+        self.decode: list[tuple[Tensor, Tensor, Tensor]] = []
+        for group in groups:
+            segs = [decode[i] for i in group]
+            width = -(-max(s.end for s in segs) // PAD) * PAD
+            if invariant:
+                width = max(PAD, 1 << (segs[0].end - 1).bit_length())
             n_blocks = -(-width // bs)
-            zero_block = pool.zero_slot // bs
             tables = torch.tensor([
                 list(s.table[: -(-s.end // bs)]) + [zero_block] * (n_blocks - -(-s.end // bs))
-                for s in decode
+                for s in segs
             ])  # (B, n_blocks)  # fmt: skip
-            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decode), -1)[:, :width]
-            beyond = torch.arange(width)[None] >= ends[:, None]
-            slots = slots.masked_fill(beyond, pool.zero_slot)
-            self.decode_slots = slots.to(device)  # (B, S); padding reads the zero block
+            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(segs), -1)[:, :width]
+            ends = torch.tensor([s.end for s in segs], dtype=torch.long)
+            slots = slots.masked_fill(torch.arange(width)[None] >= ends[:, None], pool.zero_slot)
+            rows = torch.tensor([decode_rows[i] for i in group], dtype=torch.long)
+            self.decode.append((rows.to(device), slots.to(device), ends.to(device)))
         self._masks: dict[tuple[int, int | None], Tensor | None] = {}
-        self._valid: dict[int | None, Tensor] = {}
+        self._valid: dict[tuple[int, int | None], Tensor] = {}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Not used: the model calls `attend` on a cache that has it."""
@@ -124,17 +135,17 @@ class PagedStep:
                 self._masks[key] = attention_mask(slots, S, window, None)[0]  # (1, T, S)
         return self._masks[key]
 
-    def _decode_valid(self, window: int | None) -> Tensor:
-        """(B, S) which padded key slots each decode row may attend to."""
-        if window not in self._valid:
-            assert self.decode_slots is not None
-            k_pos = torch.arange(self.decode_slots.size(1), device=self.device)[None]  # (1, S)
-            ends = self.decode_ends[:, None]  # (B, 1): the query sits at end - 1
-            valid = k_pos < ends
+    def _decode_valid(self, g: int, window: int | None) -> Tensor:
+        """(B, S) which padded key slots each row of decode group g may attend to."""
+        key = (g, window)
+        if key not in self._valid:
+            _, slots, ends = self.decode[g]
+            k_pos = torch.arange(slots.size(1), device=self.device)[None]  # (1, S)
+            valid = k_pos < ends[:, None]  # the query sits at end - 1
             if window is not None:
-                valid = valid & (k_pos >= ends - window)
-            self._valid[window] = valid
-        return self._valid[window]
+                valid = valid & (k_pos >= ends[:, None] - window)
+            self._valid[key] = valid
+        return self._valid[key]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
         """Store k, v (1, H_kv, N, D) in the pool; attention (1, H, N, D) of every segment."""
@@ -147,11 +158,10 @@ class PagedStep:
             H_kv, D = pk.size(0), pk.size(-1)
             flat_k, flat_v = pk.view(H_kv, -1, D), pv.view(H_kv, -1, D)
             q3 = q[0]  # (H, N, D)
-            if not self.prefill:
-                return self._decode(q3, flat_k, flat_v, window)[None]
             out = torch.empty_like(q3)
-            if self.decode_slots is not None:
-                out.index_copy_(1, self.decode_rows, self._decode(q3, flat_k, flat_v, window))
+            for g in range(len(self.decode)):
+                rows = self.decode[g][0]
+                out.index_copy_(1, rows, self._decode(g, q3, flat_k, flat_v, window))
             gqa = q3.size(0) != H_kv
             for i, (_, slots, a, b) in enumerate(self.prefill):
                 keys = flat_k.index_select(1, slots).to(q.dtype)  # (H_kv, S, D)
@@ -163,27 +173,27 @@ class PagedStep:
                 )  # fmt: skip
         return out[None]  # (1, H, N, D)
 
-    def _decode(self, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None) -> Tensor:
-        """Attention (H, B, D) of the B single-token segments over their padded keys."""
-        assert self.decode_slots is not None
-        B, S = self.decode_slots.shape
+    def _decode(
+        self, g: int, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None
+    ) -> Tensor:
+        """Attention (H, B, D) of decode group g's rows over their padded keys."""
+        rows, slots, _ = self.decode[g]
+        B, S = slots.shape
         H, D = q3.size(0), q3.size(-1)
         H_kv = flat_k.size(0)
-        idx = self.decode_slots.view(-1)
-        keys = flat_k.index_select(1, idx).view(H_kv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
-        values = flat_v.index_select(1, idx).view(H_kv, B, S, D).transpose(0, 1)
-        valid = self._decode_valid(window)  # (B, S); padding reads zeros: 0 weight x 0 value
-        rows = q3 if self.decode_rows.numel() == q3.size(1) else q3[:, self.decode_rows]
-        query = rows.transpose(0, 1).reshape(B, H_kv, H // H_kv, D).to(keys.dtype)  # GQA groups
-        if not self.invariant:  # fused SDPA: faster, but its sums follow the padded length
-            out = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=valid[:, None, None, :], enable_gqa=False
-            )  # (B, H_kv, g, D)
-            return out.reshape(B, H, D).transpose(0, 1).to(q3.dtype)
-        # Elementwise products summed over the last axis: each sum runs over the same values in
-        # the same order for any B or S (GEMM kernels re-block with the shape; these do not).
-        scores = (query[:, :, :, None, :] * keys[:, :, None]).sum(-1) * (1.0 / math.sqrt(D))
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))  # (B, H_kv, g, S)
-        weights = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = (weights[..., None] * values[:, :, None]).sum(-2)  # (B, H_kv, g, D)
-        return out.reshape(B, H, D).transpose(0, 1).to(q3.dtype)  # (H, B, D)
+        idx = slots.view(-1)
+        # Batch dims (H_kv, B): the gathered keys are contiguous as they come (a strided batch
+        # would let the matmul choose other kernels, and other bits, for other B).
+        keys = flat_k.index_select(1, idx).view(H_kv, B, S, D)
+        values = flat_v.index_select(1, idx).view(H_kv, B, S, D)
+        valid = self._decode_valid(g, window)[None, :, None, :]  # (1, B, 1, S); padding: zeros
+        query = q3.index_select(1, rows).view(H_kv, H // H_kv, B, D).transpose(1, 2)
+        query = query.to(keys.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
+        if not self.invariant:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid)
+        else:
+            scores = query @ keys.transpose(-2, -1) * (1.0 / math.sqrt(D))  # (H_kv, B, g, S)
+            scores = scores.masked_fill(~valid, float("-inf"))
+            out = torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+        # (H_kv, B, g, D) -> (H, B, D) with query head h = kv * g + j
+        return out.transpose(1, 2).reshape(H, B, D).to(q3.dtype)
