@@ -63,7 +63,7 @@ class EngineConfig:
     max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
     prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
-    invariant_rows: int = 16  # rows per matmul tile when batch_invariant
+    invariant_rows: int = 4  # matmul rows are padded to a multiple of this when batch_invariant
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
 
     def __post_init__(self) -> None:

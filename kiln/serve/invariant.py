@@ -1,14 +1,15 @@
-"""Batch-invariant linear layers: every matmul runs on a row count that is a multiple of 16.
+"""Batch-invariant linear layers: every matmul runs on a row count that is a multiple of 4.
 
 CPU GEMM kernels pick their algorithm from the matrix shape: the same row multiplied inside a
 batch of 1, 7 or 40 rows gives slightly different results (M = 1 is a matrix-vector kernel,
-small odd M take other paths). Measured with torch's MKL sgemm (1 and 2 threads, GPT-2 and demo
-shapes): once M is a multiple of 16, a row's output is bitwise the same for every such M and
-every position in the batch. So inside this mode every `F.linear` on plain tensors pads its
-rows with zeros up to a multiple of `rows` and then runs as one ordinary matmul. The cost: a
-step with fewer rows computes the padding too (decode of one request does 16 times the matmul
-work, which memory-bound matrix-vector products partly hide); from 16 rows on it is at most
-15 wasted rows. tests/serve/test_engine.py checks the property end to end, bitwise.
+M = 2 or odd M take other paths). Measured with torch's MKL sgemm (1 and 2 threads, GPT-2 and
+demo shapes): once M is a multiple of 4, a row's output is bitwise the same for every such M
+and every position in the batch (multiples of 2 are not enough). So inside this mode every
+`F.linear` on plain tensors pads its rows with zeros up to a multiple of `rows` (the engine's
+`invariant_rows`, default 4) and then runs as one ordinary matmul. The cost: decode of one
+request does 4 times the matmul work (memory-bound matrix-vector products partly hide it);
+from a few rows on it is at most 3 wasted rows. tests/serve/test_engine.py checks the property
+end to end, bitwise (and fails with `invariant_rows = 1`).
 """
 
 from __future__ import annotations
