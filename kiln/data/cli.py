@@ -25,7 +25,8 @@ _EXAMPLES = {
     "inspect": """examples:
   kiln data inspect data/stories
   kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify
-  kiln data inspect data/web --token 123456789   # which document, source, and removed neighbours""",
+  kiln data inspect data/web --token 123456789   # its document's history, removed neighbours
+  kiln data inspect data/web --doc web:crawl/part-0001.jsonl:417   # the same, by document id""",
 }
 
 
@@ -187,7 +188,13 @@ def _add_inspect(commands: Any) -> None:
         "--tokenizer", metavar="TOK.json", help="tokenizer to decode with (default: the manifest's)"
     )
     p.add_argument("--split", default="train", help="split of the sample document (default train)")
-    p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
+    p.add_argument(
+        "--doc",
+        default="0",
+        metavar="N|ID",
+        help="the document to show: an index in --split, or a document id (datasets made by "
+        "`kiln data run`: prints its history; prefix `id:` for an id made of digits)",
+    )
     p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
     p.add_argument(
         "--verify",
@@ -200,8 +207,9 @@ def _add_inspect(commands: Any) -> None:
         "--token",
         type=int,
         metavar="POS",
-        help="show the document holding token POS of --split, its source, input place and the "
-        "removed documents around it (datasets made by `kiln data run`)",
+        help="show the document holding token POS of --split with its history (source record, "
+        "changes, merged duplicates) and the removed documents near it in the input (datasets "
+        "made by `kiln data run`)",
     )
     p.set_defaults(handler=run_inspect)
 
@@ -245,6 +253,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         print(explain_token(ds, args.split, args.token))
         return 0
+    doc = args.doc.removeprefix("id:")
+    if doc.isdigit() and not args.doc.startswith("id:"):
+        args.doc = int(doc)
+    else:
+        from kiln.data.pipeline.audit import explain_document, find_document
+
+        print(explain_document(ds.root, doc))
+        args.split, _, _, args.doc = find_document(ds.root, doc)
     _print_sample(ds, args)
     return 0
 

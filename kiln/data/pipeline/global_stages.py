@@ -45,6 +45,7 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
 
     removals: list[tuple[int, str, str, int]] = []  # (doc, stage, reason, kept duplicate)
     alive = np.ones(n, dtype=bool)
+    merged_into = np.arange(n, dtype=np.int64)  # the document each duplicate was matched to
     if cfg.dedup.exact.enabled and n:
         exact = _concat([k["exact"] for k in keys], np.zeros((0, 16), np.uint8))
         keep, dup_of = first_occurrences(exact, rank, protected=is_val)
@@ -52,6 +53,7 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
             j = int(dup_of[i])
             reason = "exact_dedup.duplicate_of_val" if is_val[j] else "exact_dedup.duplicate"
             removals.append((int(i), "exact_dedup", reason, j))
+        merged_into[~keep] = dup_of[~keep]
         alive &= keep
     exact_alive = int(alive.sum())
     if cfg.dedup.near.enabled and alive.any():
@@ -62,8 +64,10 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
             i, j = int(idx[pos]), int(idx[roots[pos]])
             reason = "near_dedup.cluster_has_val" if is_val[j] else "near_dedup.duplicate"
             removals.append((i, "near_dedup", reason, j))
+        merged_into[idx[~keep]] = idx[roots[~keep]]
         alive[idx[~keep]] = False
     near_alive = int(alive.sum())
+    final = _resolve_chains(merged_into)
     reached = alive.copy()
     for i in np.flatnonzero(alive & (codes > 0)):
         removals.append((int(i), "decontaminate", DECONTAM_CODES[codes[i]], -1))
@@ -78,8 +82,9 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
             reached_decontam=reached[lo:hi],
             val_kept=is_val[lo:hi][alive[lo:hi]],
         )
-    records, samples = _removal_records(cfg, removals, ids, task_of, local, keys, task_dirs)
+    records, samples = _removal_records(cfg, removals, final, ids, task_of, local, keys, task_dirs)
     write_records(out_dir / "removed.jsonl.zst", records)
+    _write_clusters(out_dir, records, removals, final, task_of, local, len(task_dirs))
 
     reasons: dict[str, Counter[str]] = {}
     by_source: dict[str, Counter[str]] = {}
@@ -87,19 +92,21 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
         reasons.setdefault(r["stage"], Counter())[r["reason"]] += 1
         by_source.setdefault(r["stage"], Counter())[r["source"]] += 1
 
-    def row(stage: str, before: int, after: int) -> dict[str, Any]:
+    def row(stage: str, before: int, after: int, changed: int = 0) -> dict[str, Any]:
         return {
             "stage": stage,
             "in": before,
             "kept": after,
             "removed": dict(reasons.get(stage, {})),
             "by_source": dict(by_source.get(stage, {})),
+            "changed": changed,
         }
 
+    cut = _concat([k["cut"] for k in keys], np.zeros(0, bool))
     funnel = [
         row("exact_dedup", n, exact_alive),
         row("near_dedup", exact_alive, near_alive),
-        row("decontaminate", near_alive, int(alive.sum())),
+        row("decontaminate", near_alive, int(alive.sum()), int((alive & cut).sum())),
     ]
     write_json_atomic(
         out_dir / GLOBAL_STATS,
@@ -107,9 +114,50 @@ def run_global_stages(cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path)
     )
 
 
+def _resolve_chains(merged_into: np.ndarray) -> np.ndarray:
+    """Follow "duplicate of" links to their end: the document finally kept for each one.
+
+    An exact duplicate's kept copy may itself be removed by near dedup; the audit log names
+    the document that survived both (links only point at earlier survivors, so this ends).
+    """
+    final = merged_into.copy()
+    while True:
+        step = final[final]
+        if np.array_equal(step, final):
+            return final
+        final = step
+
+
+def _write_clusters(
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    removals: list[tuple[int, str, str, int]],
+    final: np.ndarray,
+    task_of: np.ndarray,
+    local: np.ndarray,
+    n_tasks: int,
+) -> None:
+    """Per task, `<task>.clusters.jsonl.zst`: each kept document's merged duplicates."""
+    per_task: list[dict[int, list[dict[str, Any]]]] = [{} for _ in range(n_tasks)]
+    for record, (i, _stage, _reason, j) in zip(records, removals, strict=True):
+        if j < 0:
+            continue
+        k = int(final[i])
+        entry = {key: record[key] for key in ("id", "source", "file", "ordinal", "stage", "reason")}
+        if "matched" in record:
+            entry["matched"] = record["matched"]
+        per_task[int(task_of[k])].setdefault(int(local[k]), []).append(entry)
+    for t, clusters in enumerate(per_task):
+        write_records(
+            out_dir / f"{t:06d}.clusters.jsonl.zst",
+            ({"doc": doc, "duplicates": dups} for doc, dups in sorted(clusters.items())),
+        )
+
+
 def _removal_records(
     cfg: PipelineConfig,
     removals: list[tuple[int, str, str, int]],
+    final: np.ndarray,
     ids: np.ndarray,
     task_of: np.ndarray,
     local: np.ndarray,
@@ -131,7 +179,9 @@ def _removal_records(
             "reason": reason,
         }
         if j >= 0:
-            record["duplicate_of"] = str(ids[j])
+            record["duplicate_of"] = str(ids[final[j]])
+            if final[j] != j:  # matched a document that was itself merged into another
+                record["matched"] = str(ids[j])
         per_reason[reason] = per_reason.get(reason, 0) + 1
         records.append(record)
         wanted.setdefault(t, {})[int(local[i])] = record

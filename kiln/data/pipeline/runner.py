@@ -292,6 +292,7 @@ def _funnel(
                 "kept": total_in - sum(removed.values()),
                 "removed": removed,
                 "by_source": by_source,
+                "changed": sum(s.get("changed", {}).get(name, 0) for s in filter_stats),
             }
         )
     rows.extend(global_stats["funnel"])
@@ -325,7 +326,13 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
             run_global_stages(cfg, [t.dir for t in tasks], global_dir)
         global_stats = json.loads((global_dir / GLOBAL_STATS).read_text())
         tok_tasks = [
-            TokenizeTask(t.index, str(work), cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+            TokenizeTask(
+                t.index,
+                str(work),
+                cfg.tokenize.tokenizer,
+                cfg.tokenize.eot_token,
+                cfg.removed_samples,
+            )
             for t in tasks
         ]
         kept = [int(load_arrays(global_dir / f"{t.index:06d}.npz")["keep"].sum()) for t in tasks]
@@ -353,6 +360,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         "read_issues": _merge_issues(filter_stats),
         "histograms": _merge_histograms(filter_stats),
         "removed_samples": samples,
+        "output_samples": _merge_samples(tok_stats, cfg.removed_samples),
         "digest": run_digest(cfg),
         "warnings": warnings,
     }
@@ -368,6 +376,16 @@ def _merge_decontam(tok_stats: list[dict[str, Any]]) -> dict[str, dict[str, int]
             entry = merged.setdefault(task, {"documents": 0, "spans": 0, "dropped": 0})
             for key, n in counts.items():
                 entry[key] = entry.get(key, 0) + n
+    return dict(sorted(merged.items()))
+
+
+def _merge_samples(tok_stats: list[dict[str, Any]], limit: int) -> dict[str, list[Any]]:
+    """The first few example output documents per kind, in task order."""
+    merged: dict[str, list[Any]] = {}
+    for s in tok_stats:
+        for key, records in s.get("samples", {}).items():
+            bucket = merged.setdefault(key, [])
+            bucket.extend(records[: limit - len(bucket)])
     return dict(sorted(merged.items()))
 
 

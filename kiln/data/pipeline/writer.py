@@ -1,9 +1,12 @@
 """Write the pipeline's dataset: token shards in a seeded order, per-shard document maps, manifest.
 
 Beside each `<split>_<NNNNNN>.bin/.idx` pair, `<split>_<NNNNNN>.docs.jsonl.zst` names every
-document of the shard in order (id, source, input file, record ordinal, copy number), so any
-token leads back to its document and its place in the input; `pipeline/removed.jsonl.zst`
-holds every removal with its stage and reason.
+document of the shard in order with its full history: id, source, input file, record ordinal,
+copy number, `history` (each stage that rewrote it: extracted, normalised, redacted, cut — with
+the cut spans and the benchmark items they matched) and `duplicates` (the documents exact or
+near dedup merged into it). So any token leads back to its document, its place in the input
+and every decision about it; `pipeline/removed.jsonl.zst` holds every removal with its stage
+and reason (a duplicate names the document finally kept).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def write_dataset(
                         "file": d["file"],
                         "ordinal": d["ordinal"],
                         "copy": copy,
+                        "history": d["history"],
+                        "duplicates": d["duplicates"],
                     }
                 )
                 counts = per_source[d["source"]]
