@@ -59,6 +59,8 @@ class RunOptions:
     address: str | None = None
     force: bool = False
     progress: bool = True
+    memory_mb: int = 2048  # per process in the global pass: it sets the number of partitions
+    partitions: int = 0  # the global pass's partitions (0: from memory_mb); never the output
 
 
 def _log(message: str, progress: bool) -> None:
@@ -216,6 +218,16 @@ def _run_missing(
         pass
 
 
+def _in_order(executor: Executor, desc: str) -> Any:
+    """`executor.map` as a list of results in job order (the global pass's mapper)."""
+
+    def run(fn: Any, jobs: Any) -> list[Any]:
+        results = executor.map(fn, jobs, desc=desc, unit="job")
+        return [r for _, r in sorted(results, key=lambda item: item[0])]
+
+    return run
+
+
 def _load_stats(task_dir: Path) -> dict[str, Any]:
     return json.loads((task_dir / STATS).read_text())
 
@@ -323,7 +335,14 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         global_dir = work / "global"
         if not (global_dir / GLOBAL_STATS).is_file():
             _log("dedup + decontaminate: global pass", opts.progress)
-            run_global_stages(cfg, [t.dir for t in tasks], global_dir)
+            run_global_stages(
+                cfg,
+                [t.dir for t in tasks],
+                global_dir,
+                _in_order(executor, "global pass"),
+                opts.memory_mb << 20,
+                opts.partitions,
+            )
         global_stats = json.loads((global_dir / GLOBAL_STATS).read_text())
         tok_tasks = [
             TokenizeTask(

@@ -29,6 +29,8 @@ from kiln.data.pipeline.records import (
 from kiln.io import write_json_atomic
 
 STATS = "stats.json"
+EXACT_ROWS = "exact_rows"  # the task's exact keys and near-dedup band keys, hash-sliced
+NEAR_ROWS = "near_rows"
 EXCERPT_CHARS = 600
 CHAR_BINS = np.arange(0.0, 7.01, 0.25)  # log10 of document length in characters
 SCORE_BINS = np.linspace(0.0, 1.0, 21)
@@ -162,6 +164,8 @@ def _change(doc: Document, stage: str, before: str) -> dict[str, Any]:
 def run_filter_task(task: FilterTask) -> dict[str, Any]:
     """Read, filter and fingerprint one slice of an input file; write the results; return stats."""
     from kiln.data.pipeline.exact_dedup import exact_key, keys_array
+    from kiln.data.pipeline.global_stages import nodes_of
+    from kiln.data.pipeline.partitioned import write_exact_rows, write_near_rows
     from kiln.data.pipeline.readers import ReadIssues, iter_records
 
     cfg, f = task.config, task.file
@@ -240,11 +244,14 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     if cfg.dedup.near.enabled and kept:
         hasher = _minhasher(cfg)
         bands = hasher.band_keys(hasher.signatures([d.text for d in kept]))
-    else:  # same width for every task, so the runner can stack them
-        width = cfg.dedup.near.bands if cfg.dedup.near.enabled else 0
-        bands = np.zeros((len(kept), width), dtype=np.uint64)
+    else:
+        bands = np.zeros((len(kept), 0), dtype=np.uint64)
 
     task.dir.mkdir(parents=True, exist_ok=True)
+    # The global pass reads these hash-sliced, a partition at a time (see `partitioned`).
+    nodes = nodes_of(task.index, is_val)
+    write_exact_rows(task.dir / f"{EXACT_ROWS}.npy", exact, nodes)
+    write_near_rows(task.dir / f"{NEAR_ROWS}.npy", bands, nodes)
     write_records(
         task.dir / "docs.jsonl.zst",
         ({"id": d.id, "source": d.source, "text": d.text, "meta": d.meta} for d in kept),
@@ -252,8 +259,6 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     write_records(task.dir / "removed.jsonl.zst", removed)
     save_arrays(
         task.dir / "keys.npz",
-        exact=exact,
-        bands=bands,
         is_val=is_val,
         decontam=codes,
         cut=cut,
@@ -290,6 +295,7 @@ def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
 
 def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     """Encode the documents of one filter task that the global stages kept; return stats."""
+    from kiln.data.pipeline.global_stages import read_clusters
     from kiln.data.shard_format import dtype_for_vocab
     from kiln.data.tokenize_shards import encode_documents
 
@@ -297,10 +303,7 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     global_dir = Path(task.workdir) / "global"
     decision = load_arrays(global_dir / f"{task.index:06d}.npz")
     keep, reached = decision["keep"], decision["reached_decontam"]
-    clusters = {
-        r["doc"]: r["duplicates"]
-        for r in read_records(global_dir / f"{task.index:06d}.clusters.jsonl.zst")
-    }
+    clusters = read_clusters(global_dir, task.index)
     texts, docs = [], []
     samples: dict[str, list[dict[str, Any]]] = {}
     decontam: dict[str, dict[str, int]] = {}
