@@ -142,13 +142,19 @@ def _check_inputs(cfg: PipelineConfig) -> None:
     load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
 
 
-def _count_task(file: InputFile, spec_args: dict[str, Any]) -> int:
+def _count_task(file: InputFile, spec_args: dict[str, Any], every: int, index: str) -> int:
+    """Count a file's records; a compressed txt/jsonl file's counting pass also writes its
+    byte-offset index (`index`), so that its tasks start at their own ranges."""
+    from kiln.data.pipeline.offsets import build_index, wants_index
     from kiln.data.pipeline.readers import count_records
 
+    if index and wants_index(file.path, file.format):
+        separator = spec_args["separator"].encode("utf-8")
+        return build_index(file.path, file.format, separator, every, index)
     return count_records(file.path, file.format, **spec_args)
 
 
-def _count_one(args: tuple[InputFile, dict[str, Any]]) -> int:
+def _count_one(args: tuple[InputFile, dict[str, Any], int, str]) -> int:
     return _count_task(*args)
 
 
@@ -177,13 +183,16 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
             )
         counts = plan["records"]
     else:
-        jobs = [(f, _reader_args(cfg, f.source)) for f in files]
+        jobs = [
+            (f, _reader_args(cfg, f.source), cfg.docs_per_task, _index_of(work, k, f))
+            for k, f in enumerate(files)
+        ]
         counts = [0] * len(files)
         for i, n in executor.map(_count_one, jobs, desc="count records", unit="file"):
             counts[i] = n
         write_json_atomic(plan_path, {"identity": identity, "records": counts})
     tasks: list[FilterTask] = []
-    for f, n in zip(files, counts, strict=True):
+    for k, (f, n) in enumerate(zip(files, counts, strict=True)):
         spec = next(s for s in cfg.sources if s.name == f.source)
         for start in range(0, max(n, 1), cfg.docs_per_task):
             tasks.append(
@@ -197,10 +206,18 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
                     text_field=spec.text_field,
                     id_field=spec.id_field,
                     separator=spec.separator,
+                    offset_index=_index_of(work, k, f) if n > cfg.docs_per_task else "",
                 )
             )
     _log(f"plan: {len(files)} files, {sum(counts):,} records, {len(tasks)} tasks", progress)
     return tasks
+
+
+def _index_of(work: Path, number: int, file: InputFile) -> str:
+    """The byte-offset index of the run's `number`-th input file, if it gets one ("" if not)."""
+    from kiln.data.pipeline.offsets import index_path, wants_index
+
+    return index_path(work, number) if wants_index(file.path, file.format) else ""
 
 
 def _run_missing(

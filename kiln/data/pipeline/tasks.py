@@ -59,6 +59,7 @@ class FilterTask:
     text_field: str
     id_field: str
     separator: str
+    offset_index: str = ""  # the file's byte-offset index, if it has one (see `offsets`)
 
     @property
     def dir(self) -> Path:
@@ -181,6 +182,7 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         issues=issues,
         start=task.start,
         stop=task.stop,
+        index=task.offset_index,
     )
     stage_in: Counter[str] = Counter()
     removed_by: dict[str, Counter[str]] = {name: Counter() for name, _ in stages}
