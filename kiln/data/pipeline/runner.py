@@ -17,20 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kiln import config as cfgio
 from kiln.data.manifest import MANIFEST_NAME, Manifest
 from kiln.data.pipeline.config import InputFile, PipelineConfig, expand_sources
 from kiln.data.pipeline.executors import Executor, make_executor
 from kiln.data.pipeline.global_stages import GLOBAL_STATS, run_global_stages
-from kiln.data.pipeline.mix import SourceMix, plan_mixture
 from kiln.data.pipeline.records import (
     load_arrays,
     read_records,
-    unit_interval,
     write_records,
 )
+from kiln.data.pipeline.survivors import plan_copies, surviving_documents
 from kiln.data.pipeline.tasks import (
     STATS,
     FilterTask,
@@ -249,50 +246,6 @@ def _load_stats(task_dir: Path) -> dict[str, Any]:
     return json.loads((task_dir / STATS).read_text())
 
 
-def _surviving_documents(tok_tasks: list[TokenizeTask], work: Path) -> list[dict[str, Any]]:
-    """Every document that survived, in task order: its record, split and where its tokens are."""
-    docs: list[dict[str, Any]] = []
-    for t in tok_tasks:
-        lengths = np.load(t.dir / "lengths.npy")
-        is_val = load_arrays(work / "global" / f"{t.index:06d}.npz")["val_kept"]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        for j, record in enumerate(read_records(t.dir / "docs.jsonl.zst")):
-            record.update(
-                task=t.index,
-                start=int(offsets[j]),
-                length=int(lengths[j]),
-                split="val" if is_val[j] else "train",
-            )
-            docs.append(record)
-    return docs
-
-
-def _copies(cfg: PipelineConfig, docs: list[dict[str, Any]]) -> tuple[np.ndarray, dict[str, Any]]:
-    """How many times each document is written (validation: once), and the mixture summary."""
-    train_of: dict[str, list[int]] = {spec.name: [] for spec in cfg.sources}
-    for i, d in enumerate(docs):
-        if d["split"] == "train":
-            train_of[d["source"]].append(i)
-    mixes = [
-        SourceMix(
-            name=spec.name,
-            share=spec.share,
-            rate=spec.rate,
-            order_keys=np.array(
-                [unit_interval(cfg.seed, "mix", docs[i]["id"]) for i in train_of[spec.name]],
-                dtype=np.float64,
-            ),
-            lengths=np.array([docs[i]["length"] for i in train_of[spec.name]], dtype=np.int64),
-        )
-        for spec in cfg.sources
-    ]
-    repeats, summary = plan_mixture(mixes)
-    copies = np.ones(len(docs), dtype=np.int64)
-    for name, indices in train_of.items():
-        copies[np.array(indices, dtype=np.int64)] = repeats[name]
-    return copies, summary
-
-
 def _funnel(
     cfg: PipelineConfig, filter_stats: list[dict[str, Any]], global_stats: dict[str, Any]
 ) -> list[dict[str, Any]]:
@@ -376,8 +329,8 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     finally:
         executor.close()
     tok_stats = [_load_stats(t.dir) for t in tok_tasks]
-    docs = _surviving_documents(tok_tasks, work)
-    copies, mix_summary = _copies(cfg, docs)
+    docs = surviving_documents(cfg, work, [t.index for t in tok_tasks])
+    copies, mix_summary = plan_copies(cfg, docs)
     warnings = [
         f"source {name!r} has no training documents left after filtering"
         + ("; its share is not met" if m["target_share"] else "")

@@ -298,6 +298,7 @@ def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
 def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     """Encode the documents of one filter task that the global stages kept; return stats."""
     from kiln.data.pipeline.global_stages import read_clusters
+    from kiln.data.pipeline.survivors import write_doc_records
     from kiln.data.shard_format import dtype_for_vocab
     from kiln.data.tokenize_shards import encode_documents
 
@@ -334,7 +335,7 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     task.dir.mkdir(parents=True, exist_ok=True)
     save_array(task.dir / "tokens.npy", flat)
     save_array(task.dir / "lengths.npy", lengths)
-    write_records(task.dir / "docs.jsonl.zst", docs)
+    write_doc_records(task.dir, docs)
     stats = {"task": task.index, "documents": len(docs), "tokens": int(flat.shape[0])}
     stats["decontam"] = decontam
     stats["samples"] = samples
