@@ -17,7 +17,8 @@ _EXAMPLES = {
   kiln data run configs/pipeline_sample.toml
   kiln data run web.toml --out data/web --workers 16 --set dedup.near.bands=20
   kiln data run web.toml --executor ray --address auto     # on a Ray cluster
-  kiln data run web.toml --force          # the config changed: rebuild (old output kept until done)""",
+  kiln data run web.toml --force          # the config changed: rebuild (old output kept until done)
+  kiln data run web.toml --memory-mb 512  # smaller dedup partitions (same output)""",
     "tokenize": """examples:
   kiln data tokenize --tokenizer tok.json stories.txt.gz --out data/stories
   kiln data tokenize --tokenizer tok.json web/*.jsonl.zst --text-field text --out data/web \\
@@ -69,6 +70,14 @@ def _add_run(commands: Any) -> None:
         action="store_true",
         help="rebuild although the output (or an unfinished run) has another config",
     )
+    p.add_argument(
+        "--memory-mb",
+        type=int,
+        default=2048,
+        metavar="MB",
+        help="memory per process for the dedup global pass: sets its number of partitions "
+        "(the output does not depend on it; default 2048)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run_pipeline_cmd)
 
@@ -81,6 +90,8 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise KilnError(f"--workers must be >= 1, got {args.workers}")
+    if args.memory_mb < 1:
+        raise KilnError(f"--memory-mb must be >= 1, got {args.memory_mb}")
     cfg = load_pipeline_config(args.config, tuple(args.set))
     opts = RunOptions(
         out=args.out or "",
@@ -89,6 +100,7 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
         address=args.address,
         force=args.force,
         progress=not args.quiet,
+        memory_mb=args.memory_mb,
     )
     with sigterm_as_interrupt():  # a killed run stops its workers; the next run resumes
         manifest = run_pipeline(cfg, opts)
