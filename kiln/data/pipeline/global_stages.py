@@ -146,18 +146,14 @@ def decide_task(job: DecideJob) -> dict[str, Any]:
         reached_decontam=near_kept,
         val_kept=is_val[keep],
     )
-    final = np.where(exact_kept, label, label if job.near else head)
+    final = label if job.near else head  # a cluster's smallest node is the one kept
     removals: list[dict[str, Any]] = []
     for i in np.flatnonzero(~keep).tolist():
         record: dict[str, Any] = {"id": str(keys["ids"][i]), "ordinal": int(keys["ordinal"][i])}
         if not exact_kept[i]:
-            of_val = not (int(head[i]) & int(_TRAIN_BIT))
-            record.update(stage="exact_dedup", reason="exact_dedup.duplicate_of_val" if of_val
-                          else "exact_dedup.duplicate", matched=int(head[i]))  # fmt: skip
+            record.update(_dedup_reason("exact_dedup", int(head[i])))
         elif not near_kept[i]:
-            of_val = not (int(label[i]) & int(_TRAIN_BIT))
-            record.update(stage="near_dedup", reason="near_dedup.cluster_has_val" if of_val
-                          else "near_dedup.duplicate", matched=int(label[i]))  # fmt: skip
+            record.update(_dedup_reason("near_dedup", int(label[i])))
         else:
             record.update(stage="decontaminate", reason=DECONTAM_CODES[codes[i]])
         if "matched" in record:
@@ -169,6 +165,16 @@ def decide_task(job: DecideJob) -> dict[str, Any]:
         record["local"] = i
         removals.append(record)
     return _write_task_records(job, removals, int(n), keys, cut, keep, near_kept, exact_kept)
+
+
+def _dedup_reason(stage: str, matched: int) -> dict[str, Any]:
+    """Stage, reason and matched node of a duplicate (of a validation document, or not)."""
+    of_val = not matched & int(_TRAIN_BIT)
+    reasons = {
+        "exact_dedup": ("exact_dedup.duplicate", "exact_dedup.duplicate_of_val"),
+        "near_dedup": ("near_dedup.duplicate", "near_dedup.cluster_has_val"),
+    }
+    return {"stage": stage, "reason": reasons[stage][of_val], "matched": matched}
 
 
 def _write_task_records(
