@@ -41,6 +41,7 @@ DECONTAM_CODES = ("", "decontaminate.too_many_pieces", "decontaminate.empty")
 CHANGES = {
     "extract": ("extracted the main text of an HTML page", ()),
     "normalise": ("normalised Unicode and whitespace", ()),
+    "c4": ("removed lines that break C4's line rules", ("c4_lines_removed",)),
     "pii": ("redacted e-mail and IP addresses", ("pii",)),
     "decontaminate": ("cut passages matching evaluation sets", ("decontam", "decontam_cuts")),
 }
