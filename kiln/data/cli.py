@@ -267,7 +267,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     doc = args.doc.removeprefix("id:")
     if doc.isdigit() and not args.doc.startswith("id:"):
+        from kiln.data.pipeline.audit import explain_index
+
         args.doc = int(doc)
+        history = explain_index(ds, args.split, args.doc)
+        if history is not None:  # a dataset made by `kiln data run`
+            print(history)
     else:
         from kiln.data.pipeline.audit import explain_document, find_document
 

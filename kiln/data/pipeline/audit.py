@@ -151,21 +151,35 @@ def _nearby_lines(root: Path, record: dict[str, Any], window: int) -> list[str]:
     return lines
 
 
+def _explain(root: Path, title: str, split: str, shard: int, local_doc: int, window: int) -> str:
+    """The title, the document's history, then the removals next to it in the input."""
+    record = document_record(root, split, shard, local_doc)
+    lines = [f"{title} (shard {shard}, #{local_doc})", *format_history(record)]
+    return "\n".join(lines + _nearby_lines(root, record, window))
+
+
 def explain_token(ds: Dataset, split: str, position: int, window: int = 5) -> str:
     """The token's document with its full history, then removals next to it in the input."""
     shard, local_doc, index = document_at_token(ds, split, position)
-    record = document_record(ds.root, split, shard, local_doc)
-    lines = [f"token {position:,} of {split}: document {index:,} (shard {shard}, #{local_doc})"]
-    lines += format_history(record)
-    lines += _nearby_lines(ds.root, record, window)
-    return "\n".join(lines)
+    title = f"token {position:,} of {split}: document {index:,}"
+    return _explain(ds.root, title, split, shard, local_doc, window)
 
 
 def explain_document(root: Path, doc_id: str, window: int = 5) -> str:
     """A document's full history by id, then removals next to it in the input."""
     split, shard, local_doc, index = find_document(root, doc_id)
-    record = document_record(root, split, shard, local_doc)
-    lines = [f"document {doc_id}: {split} document {index:,} (shard {shard}, #{local_doc})"]
-    lines += format_history(record)
-    lines += _nearby_lines(root, record, window)
-    return "\n".join(lines)
+    title = f"document {doc_id}: {split} document {index:,}"
+    return _explain(root, title, split, shard, local_doc, window)
+
+
+def explain_index(ds: Dataset, split: str, index: int, window: int = 5) -> str | None:
+    """The history of document `index` of a split; None if the dataset has no document maps."""
+    sp = ds.split(split)
+    if not 0 <= index < sp.n_documents:
+        raise KilnError(f"--doc {index}: split {split!r} has {sp.n_documents} documents")
+    counts = np.cumsum([0] + [s.n_documents for s in sp.shards])
+    shard = int(np.searchsorted(counts, index, side="right")) - 1
+    if not (ds.root / f"{split}_{shard:06d}{DOC_MAP_SUFFIX}").is_file():
+        return None
+    title = f"{split} document {index:,}"
+    return _explain(ds.root, title, split, shard, index - int(counts[shard]), window)

@@ -201,6 +201,13 @@ def test_inspect_token_and_doc_print_the_history(
     assert f"{doc_id(plan['chain'][3])} (input " in history
     assert f"matched {doc_id(plan['near'][3])}" in history
     assert nearby  # labelled apart from the history
+    ids = [
+        r["id"]
+        for p in sorted(planted["out"].glob("train_*.docs.jsonl.zst"))
+        for r in read_records(p)
+    ]
+    assert main(["data", "inspect", out, "--doc", str(ids.index(doc_id(3)))]) == 0
+    assert f"{doc_id(plan['chain'][3])} (input " in capsys.readouterr().out  # by index too
     for k, (item, _) in plan["passage"].items():
         assert main(["data", "inspect", out, "--doc", doc_id(k), "--max-chars", "50"]) == 0
         printed = capsys.readouterr().out
