@@ -1,0 +1,1 @@
+"""Serving: the inference engine, quantized weights, speculative decoding, the HTTP server."""
