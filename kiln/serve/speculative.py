@@ -56,6 +56,9 @@ class Warp:
         return warped.softmax(dim=-1).reshape(logits.shape)
 
 
+GREEDY = Warp(temperature=0.0)
+
+
 def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
     """max(p - q, 0) renormalised (V,): what to draw from after a draft token is rejected."""
     residual = (p - q).clamp(min=0)
@@ -135,19 +138,12 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def stream(
         self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop_tokens: Sequence[int] = (),
-    ) -> Iterator[int]:
+        prompt: Sequence[int], max_new_tokens: int, warp: Warp = Warp(), *,
+        seed: int | None = None, stop_tokens: Sequence[int] = (),
+    ) -> Iterator[int]:  # fmt: skip
         """Yield the request's new tokens (a stop token ends it and is not yielded)."""
         cfg = self.model.cfg
-        _check_prompts(cfg, [prompt], max_new_tokens, top_k, top_p, temperature)
-        warp = Warp(temperature, top_k, top_p)
+        _check_prompts(cfg, [prompt], max_new_tokens, warp.top_k, warp.top_p, warp.temperature)
         param = next(self.model.parameters())
         generator = None if seed is None else torch.Generator(param.device).manual_seed(seed)
         cache = KVCache(cfg, 1, len(prompt) + max_new_tokens, device=param.device,
@@ -182,9 +178,11 @@ class SpeculativeDecoder:
                 self.stats.generated += 1
                 yield token
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs: object) -> list[int]:
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, warp: Warp = Warp(), **kwargs: object
+    ) -> list[int]:
         """The request's new tokens (see `stream` for the options)."""
-        return list(self.stream(prompt, max_new_tokens, **kwargs))  # type: ignore[arg-type]
+        return list(self.stream(prompt, max_new_tokens, warp, **kwargs))  # type: ignore[arg-type]
 
 
 class PromptLookupDrafter:
@@ -221,18 +219,10 @@ class DraftModelDrafter:
     otherwise they are sampled with the given warp and their distributions returned.
     """
 
-    def __init__(
-        self,
-        model: Transformer,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-    ) -> None:
+    def __init__(self, model: Transformer, warp: Warp = GREEDY, seed: int | None = None) -> None:
         self.model = model
         self.vocab_size = model.cfg.vocab_size
-        self.warp = Warp(temperature, top_k, top_p)
+        self.warp = warp
         param = next(model.parameters())
         self.device = param.device
         self.cache = KVCache(model.cfg, 1, model.cfg.block_size, device=param.device,

@@ -14,6 +14,7 @@ from kiln.model import ModelConfig, Transformer
 from kiln.model.generate import generate
 from kiln.serve import speculative
 from kiln.serve.speculative import (
+    GREEDY,
     DraftModelDrafter,
     PromptLookupDrafter,
     SpeculativeDecoder,
@@ -54,12 +55,12 @@ def test_greedy_output_equals_target_only_decoding(k: int, drafter_name: str) ->
     drafters = {
         "lookup": PromptLookupDrafter(),
         "draft-greedy": DraftModelDrafter(model(1, n_layer=1)),
-        "draft-sampled": DraftModelDrafter(model(1, n_layer=1), temperature=1.0, seed=0),
+        "draft-sampled": DraftModelDrafter(model(1, n_layer=1), Warp(1.0), seed=0),
         "fixed": FixedDrafter(7),
     }
     decoder = SpeculativeDecoder(target, drafters[drafter_name], k)
     want = generate(target, [PROMPT], 40, temperature=0)[0]
-    assert decoder.generate(PROMPT, 40, temperature=0) == want
+    assert decoder.generate(PROMPT, 40, GREEDY) == want
     stats = decoder.stats
     assert stats.generated == 40 and stats.accepted <= stats.drafted
     assert stats.target_forwards == 40 - stats.accepted  # each forward yields accepted + 1
@@ -69,12 +70,12 @@ def test_a_perfect_drafter_is_always_accepted_and_a_wrong_one_never() -> None:
     target = model(0)
     same = SpeculativeDecoder(target, DraftModelDrafter(target), k=4)
     want = generate(target, [PROMPT], 21, temperature=0)[0]
-    assert same.generate(PROMPT, 21, temperature=0) == want
+    assert same.generate(PROMPT, 21, GREEDY) == want
     assert same.stats.acceptance_rate == 1.0
     assert same.stats.target_forwards == 5  # 4 + 1 tokens per forward, the last step shortened
     wrong_token = next(t for t in range(64) if t not in want)
     wrong = SpeculativeDecoder(target, FixedDrafter(wrong_token), k=4)
-    assert wrong.generate(PROMPT, 21, temperature=0) == want
+    assert wrong.generate(PROMPT, 21, GREEDY) == want
     assert wrong.stats.acceptance_rate == 0.0 and wrong.stats.target_forwards == 21
 
 
@@ -84,7 +85,7 @@ def test_stop_tokens_end_the_output_where_target_decoding_stops() -> None:
     stop = free[12]
     want = generate(target, [PROMPT], 30, temperature=0, stop_tokens=[stop])[0]
     decoder = SpeculativeDecoder(target, DraftModelDrafter(target), k=5)  # stop inside drafts
-    assert decoder.generate(PROMPT, 30, temperature=0, stop_tokens=[stop]) == want
+    assert decoder.generate(PROMPT, 30, GREEDY, stop_tokens=[stop]) == want
     assert len(want) < 13
 
 
@@ -106,7 +107,7 @@ def test_the_draft_model_rolls_its_cache_back_to_each_new_context() -> None:
     context = [*PROMPT, first[0], (first[1] + 1) % 64]
     again, probs = drafter.propose(context, 3)
     assert again == generate(draft, [context], 3, temperature=0)[0] and probs is None
-    sampled = DraftModelDrafter(draft, temperature=1.0, seed=0)
+    sampled = DraftModelDrafter(draft, Warp(1.0), seed=0)
     ids, probs = sampled.propose(PROMPT, 3)
     assert probs is not None and probs.shape == (3, 64)
     assert torch.allclose(probs.sum(dim=-1), torch.ones(3))
@@ -190,14 +191,14 @@ def test_sampled_output_has_the_target_distribution(drafter_name: str, min_accep
     prompt = [1, 2, 3, 1, 2]
     probs = exact_two_token_distribution(target, prompt, warp)
     if drafter_name == "draft-model":  # the target itself, cooler: q close to p, not equal
-        drafter = DraftModelDrafter(target, temperature=0.6, top_k=5, seed=0)
+        drafter = DraftModelDrafter(target, Warp(0.6, top_k=5), seed=0)
     else:
         drafter = PromptLookupDrafter()
     decoder = SpeculativeDecoder(target, drafter, k=2)
     n = 800
     counts: Counter[tuple[int, int]] = Counter()
     for seed in range(n):
-        out = decoder.generate(prompt, 3, temperature=1.0, top_k=5, seed=seed)  # k=2 drafts
+        out = decoder.generate(prompt, 3, warp, seed=seed)  # k=2 drafts
         counts[(out[0], out[1])] += 1
     stats = decoder.stats
     assert min_accepted * stats.drafted < stats.accepted < stats.drafted  # kept and rejected
