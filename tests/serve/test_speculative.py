@@ -79,6 +79,15 @@ def test_a_perfect_drafter_is_always_accepted_and_a_wrong_one_never() -> None:
     assert wrong.stats.acceptance_rate == 0.0 and wrong.stats.target_forwards == 21
 
 
+def test_drafts_are_cut_to_fit_max_tokens_and_the_block_size() -> None:
+    target = model(0)
+    prompt = (PROMPT * 8)[:57]  # 57 + 7 new = the block size 64
+    decoder = SpeculativeDecoder(target, DraftModelDrafter(target), k=8)
+    want = generate(target, [prompt], 7, temperature=0)[0]
+    assert decoder.generate(prompt, 7, GREEDY) == want
+    assert decoder.stats.drafted == 6 and decoder.stats.target_forwards == 1
+
+
 def test_stop_tokens_end_the_output_where_target_decoding_stops() -> None:
     target = model(0)
     free = generate(target, [PROMPT], 30, temperature=0)[0]
