@@ -118,7 +118,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip-quality", action="store_true", help="bytes and speed only")
-    p.add_argument("--out", type=Path, default=Path("bench/quantize_results.json"))
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype="fp32")
@@ -142,7 +142,8 @@ def main() -> int:
     for name, rate in decode_rates(models, prompt, args.new_tokens, args.rounds).items():
         rows[name]["decode_tok_s"] = rate
     print_table(rows, args)
-    args.out.write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
     return 0
 
 
