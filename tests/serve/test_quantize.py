@@ -101,6 +101,20 @@ def test_kernel_layer_equals_the_dequantize_fallback(mode: str, group_size: int)
 
 
 @pytest.mark.parametrize(
+    ("mode", "kernel"), [("int8", "auto"), ("int4", "auto"), ("int4", "dequant")]
+)
+@torch.no_grad()
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(mode: str, kernel: str) -> None:
+    """The serving engine relies on it: a request's logits never change with batch composition."""
+    linear = nn.Linear(256, 512, bias=False)
+    layer = QuantizedLinear(linear, mode, 64, kernel)
+    x = torch.randn(40, 256)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    for rows in (2, 7, 16, 40):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+@pytest.mark.parametrize(
     ("mode", "group_size", "kernel", "tolerance"),
     [("int8", 64, "dequant", 0.02), ("int8", 64, "auto", 0.03), ("int4", 32, "dequant", 0.15),
      ("int4", 64, "auto", 0.2)],
