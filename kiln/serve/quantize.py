@@ -86,7 +86,10 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    """A weight-only quantized `nn.Linear`: int8 or int4 weights, an fp32 bias if any."""
+    """A weight-only quantized `nn.Linear`: int8 or int4 weights, an fp32 bias if any.
+
+    Build it on the device it will run on: the int4 kernel's packed layout is device-specific.
+    """
 
     def __init__(
         self,
