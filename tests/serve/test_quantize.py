@@ -238,3 +238,18 @@ def test_kiln_sample_quantize_option(hf_model: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main([*argv, "--quantize", "int4", "--quantize-group", "48"])
     assert "--quantize-group: invalid choice: 48" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_engine_serves_a_quantized_model_as_generate_does(mode: str) -> None:
+    """The server's path: greedy output on the engine equals `generate` on the same quantized model."""
+    engine_module = pytest.importorskip("kiln.serve.engine")  # lands with the engine branch
+    from kiln.serve.sampling import SamplingParams
+
+    model = tiny_model(seed=4, block_size=128)
+    quantize_model(model, mode, 32, include_head=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 50))]
+    want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    engine = engine_module.Engine(model, None, engine_module.EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [c[0].token_ids for c in engine.generate(prompts, params)] == want
