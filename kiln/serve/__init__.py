@@ -1,1 +1,1 @@
-"""Serving: the inference engine, quantized weights, speculative decoding, the HTTP server."""
+"""Serving: the inference engine, the OpenAI-compatible HTTP server and the Storyteller page."""
