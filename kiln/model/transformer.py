@@ -114,13 +114,16 @@ class Transformer(nn.Module):
         """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""
         T = idx.size(1)
         start = 0 if cache is None else cache.length
-        if start + T > self.cfg.block_size:
+        given = None if cache is None else getattr(cache, "positions", None)  # ragged batch
+        if given is None and start + T > self.cfg.block_size:
             raise KilnError(
                 f"sequence of {start + T} tokens is longer than block_size {self.cfg.block_size}"
             )
         slots = torch.arange(start, start + T, device=idx.device)  # (T,)
         first_valid = None if cache is None else cache.first_valid  # (B,): after left padding
         pos = slots if first_valid is None else (slots[None] - first_valid[:, None]).clamp(min=0)
+        if given is not None:
+            pos = given  # (B, T): each token's position in its own sequence (checked by the cache)
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(pos)  # pos (T,) or (B, T)
@@ -130,7 +133,7 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos, self.rope_sin
             if (n := dynamic_rope_length(self.cfg, pos)) is not None:  # NTK: this length's freqs
                 cos, sin = rope_tables(self.cfg, idx.device, seq_len=n)
-            if first_valid is None:
+            if first_valid is None and given is None:
                 span = slice(start, start + T)
                 rope = (cos[span], sin[span])  # (T, D)
             else:

@@ -3,7 +3,8 @@
 The directory holds what `transformers` needs to load the model and its tokenizer offline:
 `config.json` + `model.safetensors` (kiln.model.hf), the tokenizer as HF `tokenizer.json` with a
 `tokenizer_config.json` and `special_tokens_map.json` (a `PreTrainedTokenizerFast`, eos = the
-dataset's end-of-text token), and `kiln_export.json` saying which run and step it came from. It is
+dataset's end-of-text token; for a tokenizer with the chat tokens, the chat format as a Jinja
+`chat_template` that `apply_chat_template` turns into kiln's own ids), and `kiln_export.json` saying which run and step it came from. It is
 written under a temporary name beside DIR and renamed, so DIR never holds half an export.
 Finding and loading the checkpoint and its tokenizer is `kiln.loading`'s job.
 """
@@ -14,13 +15,19 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.folders import abandoned_by, check_can_replace_dir, remove_entry
 from kiln.io import write_json_atomic
 from kiln.model.transformer import Transformer
+from kiln.tokenizer.chat import chat_template_of
+from kiln.tokenizer.special import CHAT_TOKENS
 from kiln.tokenizer.tokenizer import Tokenizer
+from kiln.train.checkpoint import SHARDED_DIR
+from kiln.train.sharded_checkpoint import is_sharded_checkpoint
+from kiln.train.sharded_export import save_sharded_hf_dir
 
 EXPORT_KIND = "a kiln export (no kiln_export.json)"  # the only kind of folder --force replaces
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -48,7 +55,10 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, eos_token: str, max_length: in
     from kiln.tokenizer.formats import write_hf
 
     write_hf(tok, out / "tokenizer.json", force=True)
-    special = {"bos_token": eos_token, "eos_token": eos_token}
+    special: dict[str, Any] = {"bos_token": eos_token, "eos_token": eos_token}
+    template = chat_template_of(tok)
+    if template is not None:  # the chat format (kiln.tokenizer.chat) for apply_chat_template
+        special["additional_special_tokens"] = list(CHAT_TOKENS)
     added = {
         str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -63,6 +73,7 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, eos_token: str, max_length: in
             "model_max_length": max_length,
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
+            **({"chat_template": template.jinja} if template is not None else {}),
         },
     )
     write_json_atomic(out / "special_tokens_map.json", special)
@@ -110,7 +121,11 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_hf_dir(model, tmp, eos_token_id=eos_id)
+        if is_sharded_checkpoint(source.checkpoint):
+            hf_cfg = {**config_to_hf(model.cfg), "bos_token_id": eos_id, "eos_token_id": eos_id}
+            save_sharded_hf_dir(model.cfg, source.checkpoint / SHARDED_DIR, tmp, hf_cfg)
+        else:
+            save_hf_dir(model, tmp, eos_token_id=eos_id)
         write_hf_tokenizer(tok, tmp, eos_token, model.cfg.block_size)
         write_json_atomic(
             tmp / "kiln_export.json",
