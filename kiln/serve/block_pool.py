@@ -51,12 +51,14 @@ class BlockPool:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        # One extra block, never handed out, stays all zeros: padded reads point at it, so a
-        # masked key always holds finite values (0 weight x stale NaN would still be NaN).
-        shape = (cfg.n_layer, cfg.kv_heads, num_blocks + 1, block_size, cfg.head_size)
+        # Two extra blocks, never handed out: one stays all zeros (padded reads point at it, so
+        # a masked key always holds finite values: 0 weight x stale NaN would still be NaN),
+        # the other takes the writes of padding tokens.
+        shape = (cfg.n_layer, cfg.kv_heads, num_blocks + 2, block_size, cfg.head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.zero_slot = num_blocks * block_size  # the first slot of the zero block
+        self.scratch_block = num_blocks + 1
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks

@@ -23,7 +23,7 @@ from kiln.config import ConfigError, require
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
 from kiln.serve.block_pool import BlockPool, block_bytes
-from kiln.serve.invariant import BatchInvariant
+from kiln.serve.invariant import pad_rows
 from kiln.serve.paged_cache import PagedStep
 from kiln.serve.requests import Completion, RequestHandle, TokenEvent
 from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
@@ -155,7 +155,7 @@ class Engine:
             num_blocks = c.num_blocks
         else:
             memory = c.kv_cache_bytes or c.default_kv_bytes
-            num_blocks = memory // per_block - 1  # the pool keeps one zero block besides
+            num_blocks = memory // per_block - 2  # the pool keeps a zero and a scratch block
             if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
                 num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
         if num_blocks < 1:
@@ -342,21 +342,21 @@ class Engine:
     def _forward(self, work: list[Work]) -> torch.Tensor:
         """Logits (R, V) of the rows that sample, one forward over all segments."""
         tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
-        idx = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]  # (1, N)
-        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
-                          invariant=self.config.batch_invariant)  # fmt: skip
         ends = list(itertools.accumulate(w.end - w.start for w in work))
         rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
-        mode = (
-            BatchInvariant(self.config.invariant_rows)
-            if self.config.batch_invariant
-            else contextlib.nullcontext()
-        )
-        with torch.inference_mode(), self._autocast(), mode:
-            h = self.model.hidden(idx, cache)  # (1, N, C)
+        pad = 0
+        if self.config.batch_invariant:  # every matmul's row count a multiple of `rows`
+            pad = pad_rows(len(tokens), self.config.invariant_rows) - len(tokens)
+        idx = torch.tensor(tokens + [0] * pad, dtype=torch.long, device=self.device)[None]
+        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
+                          invariant=self.config.batch_invariant, pad_tokens=pad)  # fmt: skip
+        with torch.inference_mode(), self._autocast():
+            h = self.model.hidden(idx, cache)  # (1, N + pad, C)
             if not rows:
                 return h.new_empty(0, self.model.cfg.vocab_size)
-            return self.model.logits(h[0, rows]).float()  # (R, V)
+            if self.config.batch_invariant:
+                rows += [rows[-1]] * (pad_rows(len(rows), self.config.invariant_rows) - len(rows))
+            return self.model.logits(h[0, rows]).float()  # (R (+ padding), V)
 
     def _advance(self, sample: _Sample, logits: torch.Tensor) -> int:
         """Sample the next token of one sample (forking the other n-1 after the prompt)."""

@@ -59,6 +59,7 @@ class PagedStep:
         device: torch.device,
         *,
         invariant: bool = True,
+        pad_tokens: int = 0,
     ) -> None:
         bs = pool.block_size
         self.pool = pool
@@ -70,6 +71,10 @@ class PagedStep:
             span = range(seg.start, seg.end)
             positions.extend(span)
             blocks.extend(seg.table[p // bs] for p in span)
+        # Padding tokens (rows that keep the matmuls at a multiple of 4, see invariant.py) sit
+        # at position 0, write into the scratch block and attend to nothing.
+        positions.extend([0] * pad_tokens)
+        blocks.extend([pool.scratch_block] * pad_tokens)
         pos = torch.tensor(positions, dtype=torch.long)
         self.positions = pos[None].to(device)  # (1, N)
         self.slot_block = torch.tensor(blocks, dtype=torch.long, device=device)  # (N,)
@@ -158,7 +163,7 @@ class PagedStep:
             H_kv, D = pk.size(0), pk.size(-1)
             flat_k, flat_v = pk.view(H_kv, -1, D), pv.view(H_kv, -1, D)
             q3 = q[0]  # (H, N, D)
-            out = torch.empty_like(q3)
+            out = torch.zeros_like(q3)  # padding rows stay zero
             for g in range(len(self.decode)):
                 rows = self.decode[g][0]
                 out.index_copy_(1, rows, self._decode(g, q3, flat_k, flat_v, window))
