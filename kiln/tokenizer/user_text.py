@@ -12,20 +12,23 @@ from kiln.tokenizer.pretokenize import special_regex
 from kiln.tokenizer.tokenizer import Tokenizer
 
 
-def check_user_text(tok: Tokenizer, text: str, where: str, opt_in: str) -> None:
-    """Refuse `text` if it holds special-token text: `where` names it, `opt_in` says how to allow."""
+def check_user_text(tok: Tokenizer, text: str, where: str, opt_in: str | None) -> None:
+    """Refuse `text` if it holds special-token text: `where` names it, `opt_in` says how to allow
+    (None: nothing allows it, as in a chat message)."""
     pattern = special_regex(tuple(sorted(tok.special_tokens)))
     match = pattern.search(text) if pattern is not None else None
     if match is not None:
+        how = (
+            f"{opt_in} to encode it as that control token, or remove it" if opt_in else "remove it"
+        )
         raise KilnError(
             f"{where} contains the special token {match.group()!r} (at character "
-            f"{match.start()}); special-token text in user input is refused: {opt_in} to encode "
-            "it as that control token, or remove it"
+            f"{match.start()}); special-token text in user input is refused: {how}"
         )
 
 
 def encode_user_text(
-    tok: Tokenizer, text: str, allow_special: bool, where: str, opt_in: str
+    tok: Tokenizer, text: str, allow_special: bool, where: str, opt_in: str | None
 ) -> list[int]:
     """Token ids of user text under the policy: special-token text only where allowed."""
     if allow_special:

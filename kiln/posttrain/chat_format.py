@@ -1,0 +1,62 @@
+"""The chat format for post-training: render conversations, read them from JSON lines.
+
+The renderer is `kiln.tokenizer.chat` (one renderer for export, serving and training; see its
+doc for the layout and the loss mask); this module re-exports it and reads conversation files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from kiln.errors import KilnError
+from kiln.io import open_binary
+from kiln.tokenizer.chat import (
+    JINJA_TEMPLATE,
+    ROLES,
+    ChatTemplate,
+    RenderedChat,
+    chat_template_of,
+    check_conversation,
+    render,
+    render_text,
+    require_chat_template,
+)
+from kiln.tokenizer.special import CHAT_TOKENS
+
+__all__ = [
+    "CHAT_TOKENS",
+    "JINJA_TEMPLATE",
+    "ROLES",
+    "ChatTemplate",
+    "RenderedChat",
+    "chat_template_of",
+    "check_conversation",
+    "iter_conversations",
+    "render",
+    "render_text",
+    "require_chat_template",
+]
+
+
+def iter_conversations(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Each line of a JSON-lines file of conversations (`{"messages": [...], ...}`), checked.
+
+    A bad line is one KilnError naming the file, the line number and the message at fault.
+    """
+    name = os.fspath(path)
+    with open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{name}:{number}"
+            try:
+                record = json.loads(raw)
+            except ValueError as exc:
+                raise KilnError(f"{where}: not a JSON object ({exc})") from None
+            if not isinstance(record, dict) or "messages" not in record:
+                raise KilnError(f"{where}: expected an object with a 'messages' list")
+            check_conversation(record["messages"], where)
+            yield record
