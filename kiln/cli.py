@@ -20,6 +20,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.data.cli",
     "kiln.model.cli",
     "kiln.train.cli",
+    "kiln.posttrain.cli",
     "kiln.eval.cli",
     "kiln.scaling.cli",
     "kiln.demo",

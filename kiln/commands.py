@@ -44,3 +44,17 @@ def add_subcommand(
         epilog=examples,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def command_group(sub: argparse._SubParsersAction, name: str) -> argparse._SubParsersAction:
+    """The subcommands of an existing `kiln NAME` group, so a higher layer can add to it.
+
+    (`kiln data chat` lives in kiln.posttrain, above kiln.data, but belongs in `kiln data`.)
+    """
+    group = sub.choices.get(name)
+    actions = [
+        a for a in getattr(group, "_actions", []) if isinstance(a, argparse._SubParsersAction)
+    ]
+    if not actions:
+        raise ValueError(f"kiln {name} is not a command group (register it first)")
+    return actions[0]

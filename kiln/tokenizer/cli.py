@@ -12,7 +12,7 @@ from typing import Any
 from kiln.commands import add_command_group, add_subcommand
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
-from kiln.tokenizer.special import EOT
+from kiln.tokenizer.special import CHAT_TOKENS, EOT
 
 DEFAULT_SPECIAL = EOT
 
@@ -23,6 +23,7 @@ _TOKENIZER_HELP = (
 _EXAMPLES = {
     "train": """examples:
   kiln tokenizer train corpus.txt --vocab-size 8000 -o tok.json
+  kiln tokenizer train corpus.txt --vocab-size 8000 --chat -o chat-tok.json
   kiln tokenizer train data/*.jsonl.gz --text-field text --vocab-size 32000 --workers 8 \\
       --pattern cl100k -o tok.json --resume""",
     "encode": """examples:
@@ -103,6 +104,11 @@ def _add_train(commands: Any) -> None:
     )
     p.add_argument("--no-special-tokens", action="store_true", help="train without special tokens")
     p.add_argument(
+        "--chat",
+        action="store_true",
+        help=f"also reserve the chat format's tokens ({', '.join(CHAT_TOKENS)})",
+    )
+    p.add_argument(
         "--pattern", default="gpt2", help="gpt2, cl100k, o200k or a regex (default gpt2)"
     )
     p.add_argument("--workers", type=int, default=None, help="counting processes (default: CPUs)")
@@ -126,7 +132,11 @@ def run_train(args: argparse.Namespace) -> int:
     check_can_write(args.output, args.force)
     if args.no_special_tokens and args.special_token:
         raise KilnError("--no-special-tokens and --special-token contradict each other")
+    if args.no_special_tokens and args.chat:
+        raise KilnError("--no-special-tokens and --chat contradict each other")
     specials = [] if args.no_special_tokens else (args.special_token or [DEFAULT_SPECIAL])
+    if args.chat:
+        specials += [t for t in CHAT_TOKENS if t not in specials]
     tok = train_module.train_bpe(
         train_module.iter_files(args.inputs),
         args.vocab_size,

@@ -3,7 +3,8 @@
 The directory holds what `transformers` needs to load the model and its tokenizer offline:
 `config.json` + `model.safetensors` (kiln.model.hf), the tokenizer as HF `tokenizer.json` with a
 `tokenizer_config.json` and `special_tokens_map.json` (a `PreTrainedTokenizerFast`, eos = the
-dataset's end-of-text token), and `kiln_export.json` saying which run and step it came from. It is
+dataset's end-of-text token; for a tokenizer with the chat tokens, the chat format as a Jinja
+`chat_template` that `apply_chat_template` turns into kiln's own ids), and `kiln_export.json` saying which run and step it came from. It is
 written under a temporary name beside DIR and renamed, so DIR never holds half an export.
 Finding and loading the checkpoint and its tokenizer is `kiln.loading`'s job.
 """
@@ -14,12 +15,15 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.folders import abandoned_by, check_can_replace_dir, remove_entry
 from kiln.io import write_json_atomic
 from kiln.model.transformer import Transformer
+from kiln.tokenizer.chat import chat_template_of
+from kiln.tokenizer.special import CHAT_TOKENS
 from kiln.tokenizer.tokenizer import Tokenizer
 
 EXPORT_KIND = "a kiln export (no kiln_export.json)"  # the only kind of folder --force replaces
@@ -48,7 +52,10 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, eos_token: str, max_length: in
     from kiln.tokenizer.formats import write_hf
 
     write_hf(tok, out / "tokenizer.json", force=True)
-    special = {"bos_token": eos_token, "eos_token": eos_token}
+    special: dict[str, Any] = {"bos_token": eos_token, "eos_token": eos_token}
+    template = chat_template_of(tok)
+    if template is not None:  # the chat format (kiln.tokenizer.chat) for apply_chat_template
+        special["additional_special_tokens"] = list(CHAT_TOKENS)
     added = {
         str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
@@ -63,6 +70,7 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, eos_token: str, max_length: in
             "model_max_length": max_length,
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
+            **({"chat_template": template.jinja} if template is not None else {}),
         },
     )
     write_json_atomic(out / "special_tokens_map.json", special)
