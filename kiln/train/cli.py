@@ -171,14 +171,25 @@ def run_train(args: argparse.Namespace) -> int:
         )
         print(f"kiln train: wrote the learning-rate schedule to {out}")
         return 0
-    return _train(cfg, run_dir, args)
+    return train_and_report(cfg, run_dir, args)
 
 
-def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
-    """Build the trainer, report the setup, train, report the outcome."""
+def train_and_report(
+    cfg: Any,
+    run_dir: Any,
+    args: argparse.Namespace,
+    build: Any = None,
+    command: str = "train",
+    after: Any = None,
+) -> int:
+    """Build the trainer, report the setup, train, report the outcome.
+
+    `kiln sft` comes through here too: `build(cfg, run_dir, resume)` makes its trainer, and
+    `after(trainer, result)` writes what it adds to the run (a LoRA adapter).
+    """
     from kiln.train.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir, resume=args.resume)
+    trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
     # Under torchrun every rank runs this; only the main one speaks.
     say = trainer.say
     m, c = trainer.model_cfg, trainer.cfg
@@ -195,8 +206,10 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = trainer.run()
     elapsed = time.perf_counter() - start
+    if after is not None:
+        after(trainer, result)
     if result.interrupted:
-        again = shlex.join(["kiln", "train", args.config, *_set_args(args.set), "--resume"])
+        again = shlex.join(["kiln", command, args.config, *_set_args(args.set), "--resume"])
         say(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
         say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"
