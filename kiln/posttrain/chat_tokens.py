@@ -11,7 +11,6 @@ recording what was done) that `kiln.loading.load_model` loads; the source is nev
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ import torch
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.folders import check_can_replace_dir, remove_dir
 from kiln.io import sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
 from kiln.model.transformer import Transformer
+from kiln.posttrain.output import check_output_folder, output_folder
 from kiln.tokenizer.special import CHAT_TOKENS
 from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train import checkpoint as ckpt
@@ -88,7 +87,7 @@ def _check_out(source: Path, out: Path, force: bool) -> None:
         raise KilnError(
             f"{out}: inside the source {source}; choose a new folder (it is never modified)"
         )
-    check_can_replace_dir(out, force, lambda p: (p / RECORD).is_file(), f"a folder {RECORD} names")
+    check_output_folder(out, force, RECORD)
 
 
 def add_chat_tokens(
@@ -107,20 +106,16 @@ def add_chat_tokens(
     model = grow_vocab(loaded.model, old_ids, sorted(added.values()))
     state = _source_state(source, loaded)
     config = {**state.get("config", {}), "model": model.cfg.to_dict()}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with output_folder(out, force, RECORD) as tmp:
         tok.save(tmp / "tokenizer.json")
         dataset = {
             **state.get("dataset", {}),
             "tokenizer_sha256": sha256_file(tmp / "tokenizer.json"),
             "vocab_size": tok.n_vocab,
         }
-        step = int(state.get("step", 0))
         train_state = ckpt.TrainState(
-            step=step, tokens=int(state.get("tokens", 0)), cursor={}, config=config,
-            dataset=dataset, precision=state.get("precision"),
+            step=int(state.get("step", 0)), tokens=int(state.get("tokens", 0)), cursor={},
+            config=config, dataset=dataset, precision=state.get("precision"),
         )  # fmt: skip
         written = ckpt.save_checkpoint(tmp / "checkpoints", model, {}, train_state, {}, keep_last=1)
         write_json_atomic(
@@ -132,14 +127,6 @@ def add_chat_tokens(
                 "kiln_version": __version__,
             },
         )  # fmt: skip
-        if out.exists() and any(out.iterdir()):
-            remove_dir(out)  # _check_out allowed it: --force over an earlier output of ours
-        elif out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return AddedChatTokens(
         out=out, added=added, rows_added=model.cfg.vocab_size - loaded.model.cfg.vocab_size,
         vocab_size=model.cfg.vocab_size, checkpoint=out / "checkpoints" / written.name,

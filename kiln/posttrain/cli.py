@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kiln.commands import add_command_group, add_subcommand
+from kiln.commands import add_command_group, add_subcommand, command_group
 
 MODEL_HELP = "a kiln demo, run, train/, checkpoints/, checkpoint (step_N) or HF model folder"
 
@@ -16,6 +16,15 @@ ADD_TOKENS_EXAMPLES = """examples:
 Writes a NEW run folder (tokenizer.json, checkpoints/step_N/, chat_tokens.json); the source is
 never modified. The tokens get the ids after the tokenizer's largest (no id is renumbered); the
 embedding and head rows of the new tokens start as the mean of the existing tokens' rows."""
+
+DATA_CHAT_EXAMPLES = """examples:
+  kiln data chat data/chat
+  kiln data chat data/chat-big --source ../shared/data/tinystories --heldout 500 --seed 1
+  kiln data chat data/chat-small --max-stories 2000 --tasks words,name --force
+
+Writes OUT/train.jsonl and OUT/heldout.jsonl (one conversation per line: "messages", plus the
+"task" and "params" its check needs) and OUT/manifest.json (counts per task, sha256). The
+held-out split shares no story with train; the same sources and seed give the same files."""
 
 
 def register(sub: Any) -> None:
@@ -28,6 +37,7 @@ def register(sub: Any) -> None:
         "kiln posttrain add-chat-tokens runs/demo runs/demo-chat",
     )
     _add_chat_tokens_command(commands)
+    _add_data_chat_command(command_group(sub, "data"))
 
 
 def _add_chat_tokens_command(commands: Any) -> None:
@@ -50,4 +60,46 @@ def run_add_chat_tokens(args: argparse.Namespace) -> int:
 
     result = add_chat_tokens(args.model, args.out, force=args.force, tokenizer=args.tokenizer)
     print(describe(result, args.model))
+    return 0
+
+
+def _add_data_chat_command(commands: Any) -> None:
+    from kiln.posttrain.tasks import TASKS
+
+    p = add_subcommand(
+        commands,
+        "chat",
+        "build instruction conversations with checkable tasks from TinyStories",
+        DATA_CHAT_EXAMPLES,
+    )
+    p.add_argument("out", metavar="OUT", help="the folder to write")
+    p.add_argument(
+        "--source",
+        action="append",
+        metavar="PATH",
+        help="story file (.txt[.gz], <|endoftext|> lines between stories) or a folder of "
+        "train*.txt[.gz] (repeatable; default: the shipped TinyStories)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="shuffle and task seed (default 0)")
+    p.add_argument("--heldout", type=int, default=250, help="held-out stories (default 250)")
+    p.add_argument("--max-stories", type=int, help="train stories (default: all the rest)")
+    p.add_argument(
+        "--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})"
+    )
+    p.add_argument("--force", action="store_true", help="replace an OUT this command wrote")
+    p.set_defaults(handler=run_data_chat)
+
+
+def run_data_chat(args: argparse.Namespace) -> int:
+    """Build and write the conversations, print the counts."""
+    from kiln.posttrain.chat_data import ChatDataConfig, format_summary, write_chat_data
+
+    config = ChatDataConfig(
+        seed=args.seed,
+        heldout=args.heldout,
+        max_stories=args.max_stories,
+        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        **({"sources": tuple(args.source)} if args.source else {}),
+    )
+    print(format_summary(write_chat_data(config, args.out, args.force), args.out))
     return 0

@@ -1,0 +1,288 @@
+"""Instruction tasks made from a story, each with the program that checks a reply.
+
+Every task turns one TinyStories story into a conversation (the prompt, and the story-derived
+reply a model is fine-tuned on) plus the parameters its check needs. The check is the one place
+that says whether a reply does what was asked: `kiln eval --chat-tasks` counts successes with it
+and reinforcement learning can use `score` as a reward, so both judge alike.
+
+- words:     "Write a story that uses the words A, B and C."  (three words of the story)
+             check: each word appears, as a whole word in any case
+- name:      "Write a story about a girl named N."  (a "girl named X" story, X renamed to N)
+             check: N appears, as a whole word
+- continue:  "Continue this story: <first half>"  (the reply: the second half)
+             check: the start's first sentence is not repeated, and at least two of the start's
+             content words appear (it goes on about the same things)
+- sentences: "Write a story of about K sentences."  (K: the story's own count)
+             check: K sentences, give or take max(1, K/5)
+- shorter:   a story, then "Now make it shorter."  (the reply: fewer sentences of that story)
+             check: at most 3/4 of the words of the story before it
+
+Every check also needs a reply of at least five words (an empty or one-word reply fails all).
+`score` is in [0, 1] (the fraction of what was asked that the reply does); `check` is True when
+the reply does all of it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import KilnError
+
+Params = dict[str, Any]
+
+# Ends of sentences: runs of . ! ? with closing quotes, before the end or white space and a
+# character that is not a lowercase letter ('"Catch it!" she said.' is one sentence).
+_SENTENCE_END = re.compile(r"[.!?]+[\"'”’)]*(?=\s*$|\s+[^a-z\s])")
+_WORD = re.compile(r"[A-Za-z]+(?:'[a-z]+)?")
+_GIRL_NAMED = re.compile(r"\bgirl named ([A-Z][a-z]+)\b")
+
+# Words too common to show that a reply used what the prompt gave it.
+_STOPWORD_TEXT = """a an and are as at be been but by can could did do does for from had has have he her
+    him his how i if in into is it its let me my no not of on one or our out said saw she so
+    some that the their them then there they this to too up us very was we went were what
+    when who will with would you your all day got get go just like little big time once upon
+    about after again back came come did down each more much now off over see two away"""
+STOPWORDS = frozenset(_STOPWORD_TEXT.split())
+GIRL_NAMES = (
+    "Anna", "Ava", "Bella", "Chloe", "Daisy", "Ella", "Emma", "Grace", "Hannah", "Ivy", "Jane",
+    "Kate", "Lily", "Lucy", "Maya", "Mia", "Nora", "Olivia", "Rosa", "Ruby", "Sara", "Sophie",
+    "Sue", "Tina", "Zoe",
+)  # fmt: skip
+
+MIN_WORDS = 5  # a reply shorter than this is not a story (nor a continuation, nor shorter one)
+
+
+# ---- text measures (used by both the builders and the checks) -----------------------------------
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text`; a trailing fragment without an end mark counts as one."""
+    out, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        piece = text[start : match.end()].strip()
+        if _WORD.search(piece):
+            out.append(piece)
+        start = match.end()
+    tail = text[start:].strip()
+    if _WORD.search(tail):
+        out.append(tail)
+    return out
+
+
+def words(text: str) -> list[str]:
+    """The words of `text`, lowercased."""
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def content_words(text: str) -> set[str]:
+    """The distinct words of `text` that are not stopwords."""
+    return {w for w in words(text) if w not in STOPWORDS and len(w) > 2}
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(rf"\b{re.escape(word)}\b", text, flags=re.IGNORECASE) is not None
+
+
+def _is_story(reply: str) -> bool:
+    return len(words(reply)) >= MIN_WORDS
+
+
+# ---- the tasks ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task made from one story: the conversation (ending in the target reply) and params."""
+
+    task: str
+    story: int
+    messages: list[dict[str, str]]
+    params: Params = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> list[dict[str, str]]:
+        """The conversation without its final reply (what a model is asked)."""
+        return self.messages[:-1]
+
+    @property
+    def target(self) -> str:
+        """The reference reply."""
+        return self.messages[-1]["content"]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-lines record (`messages` for training, `task` and `params` for checking)."""
+        return {
+            "id": f"{self.task}-{self.story}",
+            "task": self.task,
+            "story": self.story,
+            "messages": self.messages,
+            "params": self.params,
+        }
+
+
+@dataclass(frozen=True)
+class ChatTask:
+    """A task: how to make it from a story (None: the story does not fit) and how to score."""
+
+    name: str
+    description: str
+    make: Callable[[str, random.Random], tuple[list[dict[str, str]], Params] | None]
+    score: Callable[[Params, str], float]
+
+
+def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+def _make_words(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
+    pool = sorted(w for w in content_words(story) if w.isalpha() and w.islower() and len(w) > 2)
+    if len(pool) < 3:
+        return None
+    chosen = rng.sample(pool, 3)
+    prompt = f"Write a story that uses the words {chosen[0]}, {chosen[1]} and {chosen[2]}."
+    return _turns(("user", prompt), ("assistant", story)), {"words": chosen}
+
+
+def _score_words(params: Params, reply: str) -> float:
+    wanted = params["words"]
+    if not _is_story(reply):
+        return 0.0
+    return sum(_has_word(reply, w) for w in wanted) / len(wanted)
+
+
+def _make_name(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
+    match = _GIRL_NAMED.search(story)
+    if match is None:
+        return None
+    name = rng.choice(GIRL_NAMES)
+    renamed = re.sub(rf"\b{match.group(1)}\b", name, story)
+    prompt = f"Write a story about a girl named {name}."
+    return _turns(("user", prompt), ("assistant", renamed)), {"name": name}
+
+
+def _score_name(params: Params, reply: str) -> float:
+    return float(_is_story(reply) and re.search(rf"\b{params['name']}\b", reply) is not None)
+
+
+def _make_continue(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
+    parts = sentences(story)
+    if len(parts) < 4:
+        return None
+    half = len(parts) // 2
+    start, rest = " ".join(parts[:half]), " ".join(parts[half:])
+    keys = sorted(content_words(start) & content_words(story))
+    return (
+        _turns(("user", f"Continue this story: {start}"), ("assistant", rest)),
+        {"start": start, "keywords": keys},
+    )
+
+
+CONTINUE_KEYWORDS = 2  # a continuation names at least this many of the start's content words
+
+
+def _score_continue(params: Params, reply: str) -> float:
+    """A continuation: a story of its own (not the start repeated) about the start's things."""
+    if not _is_story(reply):
+        return 0.0
+    first = sentences(params["start"])[0]
+    if first.lower() in reply.lower():
+        return 0.0  # restarted the story instead of continuing it
+    keys = set(params["keywords"])
+    if not keys:
+        return 1.0
+    shared = len(keys & content_words(reply))
+    return min(1.0, shared / min(CONTINUE_KEYWORDS, len(keys)))
+
+
+def _make_sentences(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
+    k = len(sentences(story))
+    if not 3 <= k <= 15:
+        return None
+    prompt = f"Write a story of about {k} sentences."
+    return _turns(("user", prompt), ("assistant", story)), {"sentences": k}
+
+
+def sentence_tolerance(k: int) -> int:
+    """How far from K sentences is still "about K": one, or a fifth of K when that is more."""
+    return max(1, round(k / 5))
+
+
+def _score_sentences(params: Params, reply: str) -> float:
+    if not _is_story(reply):
+        return 0.0
+    k = params["sentences"]
+    off = abs(len(sentences(reply)) - k)
+    return 1.0 if off <= sentence_tolerance(k) else max(0.0, 1.0 - off / k)
+
+
+def _make_shorter(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
+    parts = sentences(story)
+    if len(parts) < 4:
+        return None
+    opening = _make_words(story, rng)
+    if opening is None:
+        return None
+    keep = max(2, len(parts) // 2)
+    short = " ".join([*parts[: keep - 1], parts[-1]])
+    messages = [*opening[0], *_turns(("user", "Now make it shorter."), ("assistant", short))]
+    return messages, {"previous_words": len(words(story))}
+
+
+SHORTER_RATIO = 0.75  # "shorter": at most this fraction of the previous story's words
+
+
+def _score_shorter(params: Params, reply: str) -> float:
+    """Shorter than the story before it (in words), and still a story."""
+    if not _is_story(reply):
+        return 0.0
+    n = len(words(reply))
+    limit = SHORTER_RATIO * params["previous_words"]
+    return 1.0 if n <= limit else max(0.0, 1.0 - (n - limit) / params["previous_words"])
+
+
+TASKS: dict[str, ChatTask] = {
+    t.name: t
+    for t in (
+        ChatTask("words", "uses the three given words", _make_words, _score_words),
+        ChatTask("name", "names the girl as asked", _make_name, _score_name),
+        ChatTask("continue", "continues the given start", _make_continue, _score_continue),
+        ChatTask("sentences", "about K sentences", _make_sentences, _score_sentences),
+        ChatTask("shorter", "a shorter retelling", _make_shorter, _score_shorter),
+    )
+}
+
+
+def make_example(task: str, story: str, story_id: int, rng: random.Random) -> Example | None:
+    """Task `task` made from one story, or None when the story does not fit that task."""
+    made = TASKS[task].make(story.strip(), rng)
+    if made is None:
+        return None
+    messages, params = made
+    return Example(task, story_id, messages, params)
+
+
+def _task_of(record: Mapping[str, Any]) -> ChatTask:
+    name = record.get("task")
+    if name not in TASKS:
+        raise KilnError(f"task {name!r} is not one of {', '.join(TASKS)}")
+    if not isinstance(record.get("params"), Mapping):
+        raise KilnError(f"task {record.get('id', name)!r}: no 'params' object")
+    return TASKS[name]
+
+
+def score(record: Mapping[str, Any], response: str) -> float:
+    """How much of what task `record` asked the reply does, in [0, 1] (a reward for RL)."""
+    task = _task_of(record)
+    try:
+        return float(task.score(dict(record["params"]), response))
+    except (KeyError, TypeError, IndexError) as exc:
+        raise KilnError(f"task {record.get('id', task.name)!r}: bad params ({exc})") from None
+
+
+def check(record: Mapping[str, Any], response: str) -> bool:
+    """Whether the reply does everything task `record` asked."""
+    return score(record, response) >= 1.0

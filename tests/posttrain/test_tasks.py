@@ -1,0 +1,93 @@
+"""The checkable tasks: the reference replies pass their checks, replies that miss fail."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kiln.errors import KilnError
+from kiln.posttrain.tasks import TASKS, check, make_example, score, sentences
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She had a red ball. "
+    'Lily liked to play with her dog Max in the park. "Catch it!" she said. '
+    "Max ran after the ball and brought it back. Lily laughed and hugged him. "
+    "They went home happy."
+)
+
+
+def record(task: str, seed: int = 0) -> dict:
+    example = make_example(task, STORY, 7, random.Random(seed))
+    assert example is not None
+    return example.to_json()
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_each_task_made_from_a_story_passes_with_its_own_target(task: str) -> None:
+    r = record(task)
+    assert r["task"] == task and r["story"] == 7 and r["messages"][-1]["role"] == "assistant"
+    assert check(r, r["messages"][-1]["content"])
+    assert score(r, r["messages"][-1]["content"]) == 1.0
+    assert not check(r, "") and not check(r, "The end.")
+
+
+def test_words_needs_every_word_and_scores_the_fraction() -> None:
+    r = record("words")
+    a, b, c = r["params"]["words"]
+    assert r["messages"][0]["content"] == f"Write a story that uses the words {a}, {b} and {c}."
+    assert {a, b, c} <= set(STORY.lower().replace(".", " ").replace(",", " ").split())
+    assert check(r, f"One day {a.upper()} met {b} and also {c} in the sun.")
+    two = f"One day {a} met {b} and nobody else in the sun."
+    assert not check(r, two) and score(r, two) == pytest.approx(2 / 3)
+
+
+def test_name_renames_the_girl_and_checks_for_the_name() -> None:
+    r = record("name", seed=3)
+    name = r["params"]["name"]
+    assert r["messages"][0]["content"] == f"Write a story about a girl named {name}."
+    target = r["messages"][-1]["content"]
+    assert f"girl named {name}" in target and (name == "Lily" or "Lily" not in target)
+    other = "Zoe" if name != "Zoe" else "Anna"
+    assert not check(r, f"Once there was a girl named {other}. She was kind.")
+    assert check(r, f"Once there was a girl named {name}. She was kind.")
+
+
+def test_continue_gives_the_first_half_and_refuses_a_restart() -> None:
+    r = record("continue")
+    start = r["params"]["start"]
+    parts = sentences(STORY)
+    assert r["messages"][0]["content"] == f"Continue this story: {start}"
+    assert start == " ".join(parts[: len(parts) // 2])
+    assert not check(r, start + " Then Max ran after the ball.")  # the story again
+    assert check(r, "Then Max and Lily ran after the ball all day.")
+    assert not check(r, "Then a robot flew to the moon and sang all night.")  # unrelated
+
+
+def test_sentences_counts_about_k() -> None:
+    r = record("sentences")
+    k = r["params"]["sentences"]
+    assert k == 7 and r["messages"][0]["content"] == "Write a story of about 7 sentences."
+    assert check(r, "A cat sat. " * 6 + "The end came at last")  # 7 (a tail fragment counts)
+    assert check(r, "A cat sat. " * 8)
+    assert not check(r, "A cat sat on a mat. " * 3)
+    assert 0 < score(r, "A cat sat. " * 5) < 1
+
+
+def test_shorter_is_multi_turn_and_needs_fewer_words() -> None:
+    r = record("shorter")
+    roles = [m["role"] for m in r["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert (
+        r["messages"][1]["content"] == STORY
+        and r["messages"][2]["content"] == "Now make it shorter."
+    )
+    assert not check(r, STORY)
+    assert check(r, "Lily and her dog Max played with a ball.")
+
+
+def test_a_record_without_a_known_task_is_a_clear_error() -> None:
+    with pytest.raises(KilnError, match="task 'poem' is not one of"):
+        check({"task": "poem", "params": {}}, "x")
+    with pytest.raises(KilnError, match="bad params"):
+        check({"task": "words", "params": {}}, "a b c d e f")
