@@ -34,7 +34,7 @@ from kiln.config import require
 from kiln.data.loader import LoaderCursor
 from kiln.errors import KilnError
 from kiln.io import sha256_file
-from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
+from kiln.loading import find_checkpoint, folder_kind, load_model
 from kiln.model.transformer import Transformer
 from kiln.posttrain import lora as lora_mod
 from kiln.posttrain.lora import LoRAConfig
@@ -96,14 +96,21 @@ def load_sft_config(
     path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
 ) -> SFTConfig:
     """Read an SFTConfig from TOML with `--set` overrides; errors name the file and the key."""
-    cfg = cfgio.load(SFTConfig, path, overrides)
-    extra = sorted(set(cfg.model) - set(MODEL_FIELDS_ALLOWED))
-    if extra:
-        raise KilnError(
-            f"model.{extra[0]}: the model is sft.base's; an SFT config may set only "
-            f"{', '.join('model.' + f for f in MODEL_FIELDS_ALLOWED)}"
-        )
-    return cfg
+    return cfgio.load(SFTConfig, path, overrides)
+
+
+def model_fields(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The run's [model]: the base's fields, with the few a fine-tune may change.
+
+    Other fields may be given only with the base's value (a resolved config.toml repeats them).
+    """
+    for key, value in sorted(given.items()):
+        if key not in MODEL_FIELDS_ALLOWED and base.get(key) != value:
+            raise KilnError(
+                f"model.{key}: the model is sft.base's ({key} = {base.get(key)!r}); an SFT "
+                f"config may change only {', '.join('model.' + f for f in MODEL_FIELDS_ALLOWED)}"
+            )
+    return {**base, **given}
 
 
 # ---- the data -----------------------------------------------------------------------------------
@@ -177,8 +184,9 @@ class Prepared:
 
     cfg: SFTConfig
     data: ConversationData
-    prepare_model: Callable[[Transformer], None]
-    base: LoadedModel
+    prepare_model: Callable[[Transformer], None]  # called once, by the Trainer
+    base: str  # where the base came from, for the log
+    tokenizer: Path  # the base's tokenizer file
     notes: list[str]
 
 
@@ -196,12 +204,14 @@ def base_weights_file(path: str | Path) -> Path:
 
 def prepare(cfg: SFTConfig) -> Prepared:
     """Load the base and the conversations; resolve the config; build the data and the hook."""
-    base = load_model(cfg.sft.base, device="cpu", dtype="fp32")
-    tok = base.tokenizer
-    assert tok is not None and base.tokenizer_path is not None
     from kiln.posttrain.chat_format import require_chat_template
 
+    base = load_model(cfg.sft.base, device="cpu", dtype="fp32")
+    tok, tokenizer_path = base.tokenizer, base.tokenizer_path
+    assert tok is not None and tokenizer_path is not None
     require_chat_template(tok, f"sft.base {cfg.sft.base}")
+    base_fields = {k: v for k, v in base.model.cfg.to_dict().items() if v is not None}
+    model = model_fields(base_fields, cfg.model)
     weights = base_weights_file(cfg.sft.base)
     sft = dataclasses.replace(cfg.sft, base_weights=str(weights), base_sha256=sha256_file(weights))
     pad = tok.special_tokens.get(EOT, 0)
@@ -211,15 +221,14 @@ def prepare(cfg: SFTConfig) -> Prepared:
         for name, path in files.items()
         if path
     }
-    model_fields = {k: v for k, v in base.model.cfg.to_dict().items() if v is not None}
     data_cfg = dataclasses.replace(
         cfg.data,
         train_sha256=sha256_file(cfg.data.train),
         val_sha256=sha256_file(cfg.data.val) if cfg.data.val else "",
     )
-    resolved = dataclasses.replace(cfg, data=data_cfg, sft=sft, model={**model_fields, **cfg.model})
+    resolved = dataclasses.replace(cfg, data=data_cfg, sft=sft, model=model)
     fingerprint = {
-        "tokenizer_sha256": sha256_file(base.tokenizer_path),
+        "tokenizer_sha256": sha256_file(tokenizer_path),
         "vocab_size": tok.n_vocab,
         "base_sha256": sft.base_sha256,
         "layout": cfg.data.layout,
@@ -227,17 +236,18 @@ def prepare(cfg: SFTConfig) -> Prepared:
         **{f"{name}_rows": rows.n_rows for name, rows in splits.items()},
     }
     notes = [f"{name} rows: {_counts(describe(rows))}" for name, rows in splits.items()]
-    base_state = {k: v.detach().clone() for k, v in base.model.state_dict().items()}
+    base_state = base.model.state_dict()
 
     def prepare_model(model: Transformer) -> None:
         """Base weights into the fresh model; then adapters (LoRA) with the base frozen."""
         with torch.no_grad():
             model.load_state_dict(base_state)
+        base_state.clear()  # the base's tensors are not kept beside the model's
         if cfg.lora.enabled:
             lora_mod.add_lora(model, cfg.lora)
 
     data = ConversationData(splits, tok.n_vocab, fingerprint)
-    return Prepared(resolved, data, prepare_model, base, notes)
+    return Prepared(resolved, data, prepare_model, base.source, tokenizer_path, notes)
 
 
 def _counts(counts: dict[str, Any]) -> str:
@@ -268,14 +278,13 @@ def build_trainer(
 ) -> Trainer:
     """The Trainer of an SFT run (base loaded, data rendered, tokenizer beside the run)."""
     prepared = prepare(cfg)
-    assert prepared.base.tokenizer_path is not None
-    copy_tokenizer(prepared.base.tokenizer_path, Path(run_dir))
+    copy_tokenizer(prepared.tokenizer, Path(run_dir))
     trainer = Trainer(
         prepared.cfg, run_dir, resume=resume, data=prepared.data,
         prepare_model=prepared.prepare_model, **kwargs,
     )  # fmt: skip
     trainer.notes += prepared.notes
-    trainer.say(f"kiln sft: base {prepared.base.source}")
+    trainer.say(f"kiln sft: base {prepared.base}")
     for note in prepared.notes:
         trainer.say(f"kiln sft: {note}")
     trainer.say(f"kiln sft: {describe_trainable(trainer)}")
