@@ -21,7 +21,6 @@ _COMMAND_MODULES: list[str] = [
     "kiln.model.cli",
     "kiln.train.cli",
     "kiln.posttrain.cli",
-    "kiln.posttrain.sft_cli",
     "kiln.eval.cli",
     "kiln.scaling.cli",
     "kiln.demo",
