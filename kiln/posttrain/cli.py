@@ -26,6 +26,14 @@ Writes OUT/train.jsonl and OUT/heldout.jsonl (one conversation per line: "messag
 "task" and "params" its check needs) and OUT/manifest.json (counts per task, sha256). The
 held-out split shares no story with train; the same sources and seed give the same files."""
 
+CHAT_EXAMPLES = """examples:
+  kiln chat runs/demo-sft
+  kiln chat exports/demo-sft --system "You tell short stories." --temperature 0.7
+  kiln chat runs/demo-sft --seed 1 --max-tokens 200 < questions.txt
+
+In the chat: /reset, /system TEXT, /temperature X, /help, /quit (or Ctrl-D). Ctrl-C stops a
+reply and returns to the prompt. MODEL needs the chat tokens (kiln posttrain add-chat-tokens)."""
+
 
 def register(sub: Any) -> None:
     """Add `kiln posttrain ...`, `kiln data chat` and `kiln chat` to the `kiln` parser."""
@@ -38,6 +46,7 @@ def register(sub: Any) -> None:
     )
     _add_chat_tokens_command(commands)
     _add_data_chat_command(command_group(sub, "data"))
+    _add_chat_command(sub)
     _add_sft_command(sub)
 
 
@@ -104,6 +113,40 @@ def run_data_chat(args: argparse.Namespace) -> int:
     )
     print(format_summary(write_chat_data(config, args.out, args.force), args.out))
     return 0
+
+
+def _add_chat_command(sub: Any) -> None:
+    p = add_subcommand(sub, "chat", "chat with a chat model in the terminal", CHAT_EXAMPLES)
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer file (default: the model's own)")
+    p.add_argument("--system", metavar="TEXT", help="a system message to start with")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest reply (default 256)")
+    p.add_argument("--seed", type=int, help="seed the sampler (replies then repeat exactly)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto, fp32 or bf16 (default auto)")
+    p.set_defaults(handler=run_chat_command)
+
+
+def run_chat_command(args: argparse.Namespace) -> int:
+    """Load the model and talk until EOF or /quit."""
+    import sys
+
+    from kiln.loading import load_model
+    from kiln.posttrain.chat_session import ChatSession, ReplySettings, run_chat
+
+    settings = ReplySettings(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        max_tokens=args.max_tokens, seed=args.seed,
+    )  # fmt: skip
+    loaded = load_model(args.model, args.tokenizer, args.device, args.dtype)
+    session = ChatSession(loaded, settings, system=args.system)
+    print(f"kiln chat: {loaded.source}", file=sys.stderr)
+    print("\n".join(loaded.precision.lines("kiln chat")), file=sys.stderr)
+    print("/help for commands, Ctrl-C stops a reply, Ctrl-D leaves", file=sys.stderr)
+    return run_chat(session, input)
 
 
 SFT_EXAMPLES = """examples:
