@@ -11,12 +11,15 @@ from kiln.errors import KilnError
 
 # ../shared/data/eval beside the repository, when kiln runs from a checkout that has it.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
+# The shipped TinyStories validation stories: --chat-tasks reports their bits per byte.
+VALID_STORIES = Path(__file__).resolve().parents[1] / "assets" / "tinystories_valid.txt.gz"
 
 EXAMPLES = """examples:
   kiln eval runs/demo --tasks hellaswag,arc_easy --limit 200
   kiln eval exports/demo --tasks all --out results/demo.json
   kiln eval runs/demo --val data/stories --bpb data/valid.txt
   kiln eval runs/demo --lm-eval-tasks my_task --lm-eval-include tasks/   # lm-eval-harness
+  kiln eval runs/demo-sft --chat-tasks data/chat --limit 20   # instruction following + bpb
   kiln eval --list-tasks
 
 MODEL is a kiln demo folder, a run folder or its train/ (the latest checkpoint), a run's
@@ -59,6 +62,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lm-eval-tasks", help="lm-evaluation-harness task names (needs kiln[eval])")
     p.add_argument("--lm-eval-include", help="directory of extra lm-eval task YAML files")
+    p.add_argument(
+        "--chat-tasks",
+        nargs="?",
+        const="",
+        metavar="DATA",
+        help="success per chat task on the held-out prompts of a `kiln data chat` folder (no "
+        "DATA: the default held-out split), plus TinyStories-valid bits per byte (or --bpb)",
+    )
+    p.add_argument(
+        "--chat-max-tokens", type=int, default=256, help="longest reply per prompt (default 256)"
+    )
+    p.add_argument(
+        "--chat-temperature", type=float, default=0.0, help="reply temperature (default 0: greedy)"
+    )
+    p.add_argument("--chat-seed", type=int, help="sampler seed when --chat-temperature > 0")
     p.add_argument("--tokenizer", help="tokenizer file (default: the model's own)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
@@ -81,14 +99,19 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         raise KilnError("MODEL is required (a demo, run, checkpoint or HF model folder)")
-    if not (args.tasks or args.val or args.bpb or args.lm_eval_tasks):
-        raise KilnError("nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks")
+    if not (args.tasks or args.val or args.bpb or args.lm_eval_tasks or _chat(args)):
+        raise KilnError(
+            "nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks (or --chat-tasks)"
+        )
     if args.limit is not None and args.limit < 1:
         raise KilnError(f"--limit must be >= 1, got {args.limit}")
     if args.stride is not None and args.stride < 1:
         raise KilnError(
             f"--stride must be >= 1 (or left out for the block size), got {args.stride}"
         )
+    _chat_settings(args)  # a bad --chat-* flag fails before anything loads
+    if _chat(args) and args.bpb is None:
+        args.bpb = str(VALID_STORIES)  # what fine-tuning cost the language model
     names = parse_task_names(args.tasks) if args.tasks else []
     if names and args.data_dir is None:
         raise KilnError(f"no task data at {DEFAULT_DATA_DIR}; pass --data-dir DIR")
@@ -106,6 +129,20 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat(args: argparse.Namespace) -> bool:
+    return args.chat_tasks is not None
+
+
+def _chat_settings(args: argparse.Namespace) -> Any:
+    """The reply settings of --chat-tasks (a bad value is one KilnError line)."""
+    from kiln.posttrain.replies import ReplySettings
+
+    return ReplySettings(
+        temperature=args.chat_temperature, top_p=None, max_tokens=args.chat_max_tokens,
+        seed=args.chat_seed,
+    )  # fmt: skip
+
+
 def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any], str]:
     """Run the requested evaluations; the results document and its table."""
     from kiln.eval.lm import bits_per_byte, val_loss
@@ -116,8 +153,12 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     from kiln.loading import load_model
 
     loaded_tasks = [load_task(name, args.data_dir, args.limit) for name in names]  # fail fast
+    if _chat(args):
+        from kiln.eval.chat_tasks import evaluate_chat_records, heldout_records
+
+        chat_records = heldout_records(args.chat_tasks or None, args.limit)
     # Scoring the val split needs no tokenizer: a run whose tokenizer moved still loads for it.
-    need_tokenizer = bool(names or args.bpb or args.lm_eval_tasks)
+    need_tokenizer = bool(names or args.bpb or args.lm_eval_tasks or _chat(args))
     loaded = load_model(args.model, args.tokenizer, args.device, args.dtype, need_tokenizer)
     tok = f"tokenizer {loaded.tokenizer_path}" if loaded.tokenizer_path else "no tokenizer needed"
     print(f"kiln eval: {loaded.source} ({tok})", file=sys.stderr)
@@ -126,6 +167,11 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     scorer = Scorer(
         loaded.model, args.batch_size, not args.no_progress, autocast_dtype=loaded.autocast_dtype
     )
+    chat = None
+    if _chat(args):  # first: a model without the chat tokens fails before minutes of scoring
+        chat = evaluate_chat_records(
+            loaded, chat_records, _chat_settings(args), args.batch_size, not args.no_progress
+        )
     tasks = []
     for task in loaded_tasks:
         result = evaluate_task(task, scorer, loaded.tokenizer, loaded.eot_id)
@@ -157,6 +203,11 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
         harness,
     )
     table = format_table([r for r, _ in tasks], val, bpb)
+    if chat is not None:
+        from kiln.eval.chat_tasks import format_chat_table
+
+        doc["chat_tasks"] = chat
+        table = format_chat_table(chat) + ("\n" + table if table else "")
     if harness is not None:
         table += ("\n" if table else "") + _harness_lines(harness)
     return doc, table

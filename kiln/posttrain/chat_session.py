@@ -7,21 +7,21 @@ reply (what was written stays in the conversation) and returns to the prompt; Ct
 prompt only says how to leave (Ctrl-D or /quit). When the conversation no longer fits the
 model's context, its oldest turns are left out of the prompt (the system message stays).
 
-Generation is `stream_reply`, the one function to switch to kiln.serve's engine.
+Generation is `kiln.posttrain.replies.stream_reply` (the module to switch to the engine).
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel
-from kiln.model.generate import stream
+from kiln.posttrain import replies
 from kiln.posttrain.chat_format import ChatTemplate, render, require_chat_template
+from kiln.posttrain.replies import ReplySettings, reply_stop_ids
 from kiln.tokenizer.tokenizer import Tokenizer
 
 HELP = """commands:
@@ -30,37 +30,6 @@ HELP = """commands:
   /temperature X   sampling temperature (0: greedy)
   /help            this list
   /quit            leave (or Ctrl-D); Ctrl-C stops a reply"""
-
-
-@dataclass(frozen=True)
-class ReplySettings:
-    """How replies are sampled."""
-
-    temperature: float = 0.8
-    top_k: int | None = None
-    top_p: float | None = 0.95
-    max_tokens: int = 256
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise KilnError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.max_tokens < 1:
-            raise KilnError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.top_k is not None and self.top_k < 1:
-            raise KilnError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise KilnError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def stream_reply(
-    loaded: LoadedModel, prompt_ids: list[int], settings: ReplySettings, stop_ids: tuple[int, ...]
-) -> Iterator[int]:
-    """The token ids of one reply, as they are decoded (a stop id ends it and is not yielded)."""
-    yield from stream(
-        loaded.model, prompt_ids, settings.max_tokens, temperature=settings.temperature,
-        top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed, stop_tokens=stop_ids,
-    )  # fmt: skip
 
 
 def _text_of(tok: Tokenizer, ids: list[int]) -> str:
@@ -82,10 +51,7 @@ class ChatSession:
         assert self.loaded.tokenizer is not None
         self.tok: Tokenizer = self.loaded.tokenizer
         self.template: ChatTemplate = require_chat_template(self.tok, "kiln chat")
-        stops = {*self.template.stop_ids}
-        if self.loaded.eot_id is not None:
-            stops.add(self.loaded.eot_id)  # a model may also end a reply with end-of-text
-        self.stop_ids = tuple(sorted(stops))
+        self.stop_ids = reply_stop_ids(self.loaded, self.template.stop_ids)
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation so far, system message first."""
@@ -124,7 +90,7 @@ class ChatSession:
         shown = ""
         try:
             with self.loaded.autocast():
-                for token in stream_reply(self.loaded, ids, settings, self.stop_ids):
+                for token in replies.stream_reply(self.loaded, ids, settings, self.stop_ids):
                     new.append(token)
                     shown = self._show(new, shown, write)
                     _reply_token_hook()

@@ -135,7 +135,8 @@ def run_chat_command(args: argparse.Namespace) -> int:
     import sys
 
     from kiln.loading import load_model
-    from kiln.posttrain.chat_session import ChatSession, ReplySettings, run_chat
+    from kiln.posttrain.chat_session import ChatSession, run_chat
+    from kiln.posttrain.replies import ReplySettings
 
     settings = ReplySettings(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

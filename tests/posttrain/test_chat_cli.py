@@ -17,7 +17,8 @@ import pytest
 from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel, load_model
-from kiln.posttrain.chat_session import ChatSession, ReplySettings, run_chat
+from kiln.posttrain.chat_session import ChatSession, run_chat
+from kiln.posttrain.replies import ReplySettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,13 +112,13 @@ def test_run_chat_keeps_going_after_ctrl_c_at_the_prompt(session_model: LoadedMo
 def test_a_stopped_reply_keeps_what_was_written(
     session_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kiln.posttrain import chat_session
+    from kiln.posttrain import replies
 
     def two_then_ctrl_c(*args: object) -> Iterator[int]:
         yield from session_model.tokenizer.encode("Once upon")  # type: ignore[union-attr]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(chat_session, "stream_reply", two_then_ctrl_c)
+    monkeypatch.setattr(replies, "stream_reply", two_then_ctrl_c)
     session = ChatSession(session_model, ReplySettings(temperature=0))
     out = io.StringIO()
     assert session.reply("Hi.", out.write) == "Once upon"
