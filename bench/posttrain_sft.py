@@ -11,9 +11,10 @@ The chain, each step a kiln command (what the README's "fine-tune" section shows
    over the held-out conversations, computed the same way for both models;
 4. `kiln sft` full and LoRA (--budget of training each; LoRA: rank 8, all four linear layers of
    every block, lr 2e-3); trainable parameters and the optimizer state's bytes are read from the
-   final checkpoints;
-5. `kiln eval MODEL --chat-tasks OUT/chat` for base, SFT and LoRA: success per task on the
-   held-out prompts (greedy) and TinyStories-valid bits per byte.
+   final checkpoints. Everything runs in configs/sft.toml's dtype "auto" (bf16 where the CPU
+   has native bf16 matmuls, else fp32);
+5. `kiln eval MODEL --chat-tasks OUT/chat --limit N` for base, SFT and LoRA: success per task on
+   the first N held-out prompts of each task (greedy) and TinyStories-valid bits per byte.
 
 Results go to OUT/results.json and a Markdown section on stdout (for bench/RESULTS.md).
 
@@ -83,10 +84,11 @@ def heldout_loss(run: Path, chat: Path) -> float:
     from kiln.posttrain.packing import build_rows
     from kiln.posttrain.sft import render_file, rows_loss
 
-    loaded = load_model(run, device="cpu", dtype="fp32")
+    loaded = load_model(run, device="cpu")  # dtype auto, as the runs trained
     assert loaded.tokenizer is not None
     rows = build_rows(render_file(chat / "heldout.jsonl", loaded.tokenizer), 256, "packed")
-    return rows_loss(loaded.model, rows)
+    with loaded.autocast():
+        return rows_loss(loaded.model, rows)
 
 
 def optimizer_bytes(run: Path) -> int:
@@ -136,7 +138,7 @@ def step_timing(base: Path, chat: Path, repeats: int) -> dict[str, float]:
     from kiln.posttrain.packing import build_rows
     from kiln.posttrain.sft import render_file
 
-    loaded = load_model(base, device="cpu", dtype="fp32")
+    loaded = load_model(base, device="cpu")
     assert loaded.tokenizer is not None
     examples = render_file(chat / "train.jsonl", loaded.tokenizer)[:640]
     model = loaded.model.train()
@@ -150,7 +152,9 @@ def step_timing(base: Path, chat: Path, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         for layout, (args, _) in batches.items():
             start = time.perf_counter()
-            model(*args).backward()
+            with loaded.autocast():
+                loss = model(*args)
+            loss.backward()
             times[layout].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     return {
@@ -164,7 +168,7 @@ def evaluate(model: Path, chat: Path, out: Path, limit: int | None) -> dict[str,
     result = out / f"eval-{model.name}.json"
     extra = ["--limit", str(limit)] if limit else []
     kiln("eval", str(model), "--chat-tasks", str(chat), "--out", str(result), "--force",
-         "--no-progress", "--dtype", "fp32", *extra)  # fmt: skip
+         "--no-progress", *extra)  # fmt: skip
     return json.loads(result.read_text())
 
 
@@ -173,9 +177,9 @@ def main() -> int:
     parser.add_argument("--demo", help="the demo run to start from (default: newest runs/demo-*)")
     parser.add_argument("--out", default="out/posttrain_sft", help="work folder")
     parser.add_argument("--budget", default="3m", help="training time of each main SFT run")
-    parser.add_argument("--layout-steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--limit", type=int, help="held-out prompts per task (default: all)")
+    parser.add_argument("--layout-steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=20, help="held-out prompts per task (0: all)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +197,7 @@ def main() -> int:
         run = out / f"layout-{layout}"
         if not (run / "checkpoints").exists():
             kiln(*sft_args(base, chat, run, f"data.layout={layout}", "train.time_budget=none",
-                           f"train.max_steps={args.layout_steps}", "train.dtype=fp32"))  # fmt: skip
+                           f"train.max_steps={args.layout_steps}"))  # fmt: skip
         layouts[layout] = {
             "positions_per_s": mean_tokens_per_s(run),
             "train_loss": last_metrics(run)["loss"],
@@ -209,8 +213,7 @@ def main() -> int:
     ):
         run = out / f"run-{name}"
         if not (run / "checkpoints").exists():
-            kiln(*sft_args(base, chat, run, f"train.time_budget={args.budget}", "train.dtype=fp32",
-                           *sets))  # fmt: skip
+            kiln(*sft_args(base, chat, run, f"train.time_budget={args.budget}", *sets))
         n, total = trainable(run)
         results[name] = {
             "steps": last_metrics(run)["step"], "train_loss": last_metrics(run)["loss"],

@@ -169,18 +169,9 @@ def _add_sft_command(sub: Any) -> None:
         "writes RUN/adapter/ (PEFT's format). The run folder is a kiln run: config.toml (the\n"
         "base and data recorded by sha256), metrics.jsonl, checkpoints/ (exact --resume)."
     )
-    p.add_argument("config", metavar="CONFIG.toml", help="SFT config (see configs/sft.toml)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set lora.rank=8 (repeatable)",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the run's latest checkpoint"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from kiln.train.cli import add_run_arguments
+
+    add_run_arguments(p, "SFT config (see configs/sft.toml)", "lora.rank=8")
     p.set_defaults(handler=run_sft)
 
 

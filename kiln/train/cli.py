@@ -41,26 +41,31 @@ def register(sub: Any) -> None:
         "The run directory gets config.toml (fully resolved), metrics.jsonl and checkpoints/;\n"
         "Ctrl-C or SIGTERM saves a checkpoint before exiting (continue with --resume)."
     )
-    p.add_argument("config", metavar="CONFIG.toml", help="run config (see configs/)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the run's latest checkpoint"
-    )
+    add_run_arguments(p, "run config (see configs/)", "optim.lr=3e-4")
     p.add_argument(
         "--plot-schedule",
         action="store_true",
         help="write the learning-rate schedule as a PNG in the run's report/ and exit",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_train)
     _register_export(sub)
     _register_plot(sub)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, config_help: str, example: str) -> None:
+    """CONFIG.toml, --set, --resume and --no-progress: what `kiln train` and `kiln sft` take."""
+    p.add_argument("config", metavar="CONFIG.toml", help=config_help)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run's latest checkpoint"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _register_export(sub: Any) -> None:
