@@ -9,8 +9,8 @@ The chain, each step a kiln command (what the README's "fine-tune" section shows
    a packed and a padded batch, alternated (--repeats times each), in this process: tokens/s
    counts conversation tokens (padding excluded); held-out loss is the mean loss per reply token
    over the held-out conversations, computed the same way for both models;
-4. `kiln sft` full and LoRA (--budget of training each; LoRA: rank 8, all four linear layers of
-   every block, lr 2e-3); trainable parameters and the optimizer state's bytes are read from the
+4. `kiln sft` full and LoRA (--budget of training each, 8 rows of 256 per step; full: lr 5e-4;
+   LoRA: rank 8, alpha 16, all four linear layers of every block, lr 2e-3); trainable parameters and the optimizer state's bytes are read from the
    final checkpoints. Everything runs in configs/sft.toml's dtype "auto" (bf16 where the CPU
    has native bf16 matmuls, else fp32);
 5. `kiln eval MODEL --chat-tasks OUT/chat --limit N` for base, SFT and LoRA: success per task on
@@ -176,7 +176,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo", help="the demo run to start from (default: newest runs/demo-*)")
     parser.add_argument("--out", default="out/posttrain_sft", help="work folder")
-    parser.add_argument("--budget", default="3m", help="training time of each main SFT run")
+    parser.add_argument("--budget", default="6m", help="training time of each main SFT run")
     parser.add_argument("--layout-steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=20, help="held-out prompts per task (0: all)")
@@ -208,8 +208,8 @@ def main() -> int:
 
     runs = {"base": base}
     for name, sets in (
-        ("sft", ["lora.rank=0", "optim.lr=5e-4"]),
-        ("lora", ["lora.rank=8", "lora.alpha=16", "optim.lr=2e-3"]),
+        ("sft", ["lora.rank=0", "optim.lr=5e-4", "batch.global_tokens=2048"]),
+        ("lora", ["lora.rank=8", "lora.alpha=16", "optim.lr=2e-3", "batch.global_tokens=2048"]),
     ):
         run = out / f"run-{name}"
         if not (run / "checkpoints").exists():
