@@ -133,6 +133,9 @@ def test_a_lora_run_loads_merged_and_writes_a_peft_adapter(
     trainer = build_trainer(_config(chat_run, conversations, other, "lora.rank=4"), other)
     trainer.model.load_state_dict(load_file(run / "checkpoints" / "step_3" / "model.safetensors"))
     assert any(isinstance(m, LoRALinear) for m in trainer.model.modules())
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    adapters = {id(p) for n, p in trainer.model.named_parameters() if ".lora_" in n}
+    assert optimized == adapters  # the frozen base is not in the trainer's optimizer
     loaded = load_model(run, dtype="fp32")
     assert not any(isinstance(m, LoRALinear) for m in loaded.model.modules())
     assert loaded.tokenizer is not None and "<|assistant|>" in loaded.tokenizer.special_tokens
