@@ -261,13 +261,13 @@ def markdown(r: dict[str, Any]) -> str:
     lay, timing = r["layouts"], r["layouts"]["step_timing"]
     lines += [
         "",
-        "| layout | train steps | logged positions/s | step timing, reply+prompt tokens/s "
-        "| final train loss | held-out reply loss |",
-        "|---|---|---|---|---|---|",
+        "| layout | logged positions/s (runs one after the other) | step timing, conversation "
+        "tokens/s (alternated) | final train loss | held-out reply loss |",
+        "|---|---|---|---|---|",
     ]
     for name in ("packed", "padded"):
         lines.append(
-            f"| {name} | | {lay[name]['positions_per_s']:,.0f} | "
+            f"| {name} | {lay[name]['positions_per_s']:,.0f} | "
             f"{timing[f'{name}_real_tokens_per_s']:,.0f} | {lay[name]['train_loss']:.3f} | "
             f"{lay[name]['heldout_loss']:.3f} |"
         )
