@@ -2,7 +2,8 @@
 
 Each held-out conversation (`kiln data chat`'s heldout split; without DATA, the same split built
 in memory with the default settings) is rendered up to its final reply with the generation
-prompt, the model writes a reply (greedy by default, batched), and the task's own check
+prompt, the model writes a reply (greedy by default, on kiln.serve's engine with continuous
+batching; each reply may use the context its prompt leaves, up to max_tokens), and the task's own check
 (`kiln.posttrain.tasks.check`) says whether it succeeded. Per task: the success rate with a
 95% Wilson interval (sound at 0 or n successes and for small n), and the mean graded score.
 A prompt that leaves the model fewer than MIN_REPLY_TOKENS of context for its reply is not
@@ -22,7 +23,7 @@ from typing import Any
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel
 from kiln.posttrain.chat_format import render, require_chat_template
-from kiln.posttrain.replies import ReplySettings, generate_replies, reply_stop_ids
+from kiln.posttrain.replies import ReplyGenerator, ReplySettings, reply_stop_ids
 from kiln.posttrain.tasks import TASKS, check, score
 
 MIN_REPLY_TOKENS = 32
@@ -134,12 +135,14 @@ def evaluate_chat_tasks(
             results[record["task"]].skipped += 1
         else:
             jobs.append((record, ids))
-    jobs.sort(key=lambda job: len(job[1]))  # similar lengths batch with little padding
+    generator = ReplyGenerator(loaded, stops, max_batch=batch_size)
     bar = _bar(len(jobs), progress)
-    for batch in _batches(jobs, batch_size):
-        longest = max(len(ids) for _, ids in batch)
-        budget = replace(settings, max_tokens=min(settings.max_tokens, block - longest))
-        outputs = generate_replies(loaded, [ids for _, ids in batch], budget, stops)
+    for batch in _batches(jobs, 4 * batch_size):  # the engine batches; chunks show progress
+        budgets = [
+            replace(settings, max_tokens=min(settings.max_tokens, block - len(ids)))
+            for _, ids in batch
+        ]
+        outputs = generator.generate([ids for _, ids in batch], budgets)
         for (record, _), reply_ids in zip(batch, outputs, strict=True):
             reply = tok.decode([i for i in reply_ids if i < tok.n_vocab])
             result = results[record["task"]]

@@ -59,6 +59,7 @@ class KilnLM(LM):
             loaded.model, int(batch_size), _flag(progress), autocast_dtype=loaded.autocast_dtype
         )
         self._device = self.scorer.device
+        self._engine: Any = None  # the serving engine, built at the first generation request
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         """(log-prob of the continuation, whether greedy decoding yields it) per request."""
@@ -85,12 +86,29 @@ class KilnLM(LM):
         return out
 
     def generate_until(self, requests: list[Any]) -> list[str]:
-        """Greedy continuations, cut at the first of each request's `until` strings."""
-        return [self._generate_one(*req.args) for req in requests]
+        """Greedy continuations, cut at the first of each request's `until` strings.
 
-    def _generate_one(self, context: str, gen_kwargs: dict[str, Any]) -> str:
-        """One greedy generation (requests differ in stop strings and lengths)."""
-        from kiln.model.generate import generate
+        All requests run together on the serving engine (continuous batching); each stops at
+        its own `until` strings, its own length and the end-of-text token.
+        """
+        from kiln.serve.engine import Engine
+
+        if self._engine is None:
+            self._engine = Engine.from_loaded(self.loaded)
+        work = [self._request(*req.args) for req in requests]  # all checked before any runs
+        handles = [self._engine.submit(prompt, params) for prompt, params in work]
+        out = []
+        for req, handle in zip(requests, handles, strict=True):
+            (done,) = handle.result()
+            if done.finish_reason == "error":
+                raise KilnError(f"generation failed: {done.error}")
+            self.cache_hook.add_partial("generate_until", req.args, done.text)
+            out.append(done.text)
+        return out
+
+    def _request(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], Any]:
+        """Prompt ids and sampling parameters of one greedy generation request."""
+        from kiln.serve.sampling import SamplingParams
 
         kwargs = dict(gen_kwargs or {})
         until = kwargs.pop("until", None) or []
@@ -105,17 +123,10 @@ class KilnLM(LM):
             if self.eot_id is None:
                 raise KilnError("an empty prompt needs an end-of-text token to start from")
             prompt = [self.eot_id]
-        stop = [] if self.eot_id is None else [self.eot_id]
-        with self.loaded.autocast():
-            (ids,) = generate(
-                self.scorer.model, [prompt], max_new, temperature=0.0, stop_tokens=stop
-            )
-        text = self.tok.decode(ids)
-        for s in until:
-            if s and s in text:
-                text = text[: text.index(s)]
-        self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        return text
+        params = SamplingParams(
+            max_tokens=max_new, temperature=0.0, stop=tuple(s for s in until if s)
+        )
+        return prompt, params
 
 
 def _flag(value: bool | str) -> bool:

@@ -81,7 +81,6 @@ def run_sample(args: argparse.Namespace) -> int:
     _check_args(args)  # every flag is checked before anything loads or prints
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     from kiln.loading import load_model
-    from kiln.model.generate import stream
 
     loaded = load_model(
         args.model, args.tokenizer, args.device, args.dtype, need_tokenizer=prompt_ids is None
@@ -103,23 +102,44 @@ def run_sample(args: argparse.Namespace) -> int:
     _check_fits(ids, args.max_tokens, loaded.model.cfg)
     if prompt_ids is not None:
         shown = _decode_known(tok, ids) if tok is not None else None
-    stop = args.stop_id if args.stop_id is not None else list(loaded.stop_ids)
-    tokens = stream(
-        loaded.model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop_tokens=stop,
-    )  # fmt: skip
-    with loaded.autocast():  # around the whole stream: each token is computed as it is read
-        # The first token is decoded before the prompt is printed, so whatever generation
-        # refuses fails before any output.
-        first = next(tokens, None)
-        rest: Iterator[int] = chain([first], tokens) if first is not None else iter(())
-        if tok is None or shown is None:
-            for token in rest:
-                print(token, end=" ", flush=True)
-            print()
-        else:
-            _print_text(tok, shown, rest)
+    events = _engine_events(loaded, ids, args)
+    # The first token is decoded before the prompt is printed, so whatever generation
+    # refuses fails before any output.
+    first = next(events, None)
+    rest: Iterator[Any] = chain([first], events) if first is not None else iter(())
+    if tok is None or shown is None:
+        for event in rest:
+            print(event.token_id, end=" ", flush=True)
+        print()
+    else:
+        sys.stdout.write(shown)
+        for event in rest:
+            sys.stdout.write(event.text)  # whole characters only: the engine holds the rest
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     return 0
+
+
+def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Iterator[Any]:
+    """The sample's token events from the serving engine (this is the CLI layer: it may)."""
+    from kiln.serve.engine import Engine, EngineConfig
+    from kiln.serve.sampling import SamplingParams
+
+    stop = args.stop_id if args.stop_id is not None else list(loaded.stop_ids)
+    stop = [i for i in stop if i >= 0]  # a negative --stop-id matches nothing: no stop at all
+    config = EngineConfig(max_num_seqs=1, prefix_caching=False,
+                          num_blocks=-(-(len(ids) + args.max_tokens) // 16))  # fmt: skip
+    engine = Engine.from_loaded(loaded, config)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+        stop_token_ids=tuple(stop), ignore_eos=True,  # exactly the stops asked for
+    )  # fmt: skip
+    handle = engine.submit(ids, params)
+    yield from handle
+    (done,) = handle.result()
+    if done.finish_reason == "error":
+        raise KilnError(f"generation failed: {done.error}")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -146,21 +166,6 @@ def _check_fits(ids: list[int], max_tokens: int, cfg: Any) -> None:
             f"the prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the model's "
             f"block size {cfg.block_size}; lower --max-tokens or shorten the prompt"
         )
-
-
-def _print_text(tok: Any, prompt: str, tokens: Iterator[int]) -> None:
-    """Print the prompt then each new piece of text as soon as it decodes to whole characters."""
-    sys.stdout.write(prompt)
-    new: list[int] = []
-    shown = ""
-    for token in tokens:
-        new.append(token)
-        text = _decode_known(tok, new)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write(_decode_known(tok, new)[len(shown) :] + "\n")
 
 
 def _decode_known(tok: Any, ids: list[int]) -> str:

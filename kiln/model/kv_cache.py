@@ -30,6 +30,21 @@ class AttentionCache(Protocol):
         ...
 
 
+class PagedAttentionCache(AttentionCache, Protocol):
+    """A cache that places every token itself and runs attention over its own layout.
+
+    For ragged batches (the serving engine): the model takes the positions from `positions`
+    instead of `length`/`first_valid`, and each attention layer calls `attend` instead of
+    `update` + the model's attention, so a row sees exactly its own sequence's keys.
+    """
+
+    positions: Tensor  # (B, T): each token's position in its own sequence
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+        """Store k, v (B, H_kv, T, D); attention output (B, H, T, D) of q over each own prefix."""
+        ...
+
+
 class KVCache:
     """Keys and values of every layer, preallocated (B, H_kv, max_len, D): GQA stores H_kv heads."""
 

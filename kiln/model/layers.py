@@ -97,9 +97,12 @@ class CausalSelfAttention(nn.Module):
         """Attention output (B, T, C) of x (B, T, C)."""
         B, T, _ = x.shape
         q, k, v = self.heads(x, rope)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
-        y = attend(q, k, v, mask, self.backend)  # (B, H, T, D)
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache attends itself
+            y = cache.attend(self.layer, q, k, v, self.window)  # (B, H, T, D)
+        else:
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
+            y = attend(q, k, v, mask, self.backend)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
         return self.drop(self.proj(y))
 

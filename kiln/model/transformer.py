@@ -119,13 +119,16 @@ class Transformer(nn.Module):
         """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""
         T = idx.size(1)
         start = 0 if cache is None else cache.length
-        if start + T > self.cfg.block_size:
+        given = None if cache is None else getattr(cache, "positions", None)  # ragged batch
+        if given is None and start + T > self.cfg.block_size:
             raise KilnError(
                 f"sequence of {start + T} tokens is longer than block_size {self.cfg.block_size}"
             )
         slots = torch.arange(start, start + T, device=idx.device)  # (T,)
         first_valid = None if cache is None else cache.first_valid  # (B,): after left padding
         pos = slots if first_valid is None else (slots[None] - first_valid[:, None]).clamp(min=0)
+        if given is not None:
+            pos = given  # (B, T): each token's position in its own sequence (checked by the cache)
         if segments is not None:
             if cache is not None:
                 raise KilnError("packed segments are for training passes, not cached decoding")
@@ -136,7 +139,7 @@ class Transformer(nn.Module):
         x = self.drop(x)
         rope = None
         if self.cfg.pos_emb == "rope":
-            if pos.dim() == 1:
+            if pos.dim() == 1:  # the same positions in every row
                 span = slice(start, start + T)
                 rope = (self.rope_cos[span], self.rope_sin[span])  # (T, D)
             else:

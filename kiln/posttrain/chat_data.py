@@ -28,7 +28,7 @@ from kiln.data.documents import iter_documents
 from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
 from kiln.posttrain.output import check_output_folder, output_folder
-from kiln.posttrain.tasks import TASKS, Example, make_example
+from kiln.posttrain.tasks import TASKS, Example, common_words, make_example
 from kiln.tokenizer.special import EOT
 
 MANIFEST = "manifest.json"
@@ -108,7 +108,11 @@ def _read_stories(files: list[Path]) -> tuple[list[str], list[dict[str, Any]], C
 
 
 def _assign(
-    stories: list[str], order: list[int], tasks: tuple[str, ...], rng: random.Random
+    stories: list[str],
+    order: list[int],
+    tasks: tuple[str, ...],
+    rng: random.Random,
+    common: frozenset[str],
 ) -> tuple[list[Example], int]:
     """One example per story in `order`, the least-made fitting task first; (examples, unfit)."""
     made: Counter[str] = Counter()
@@ -116,7 +120,7 @@ def _assign(
     for index in order:
         ranked = sorted(tasks, key=lambda t: (made[t], tasks.index(t)))
         for task in ranked:
-            example = make_example(task, stories[index], index, rng)
+            example = make_example(task, stories[index], index, rng, common)
             if example is not None:
                 out.append(example)
                 made[task] += 1
@@ -139,10 +143,11 @@ def build(config: ChatDataConfig) -> Built:
     held, rest = order[: config.heldout], order[config.heldout :]
     if config.max_stories is not None:
         rest = rest[: config.max_stories]
+    common = common_words(stories)
     splits = {}
     for name, indices in (("heldout", held), ("train", rest)):
         rng = random.Random(f"{config.seed}:{name}")
-        splits[name], unfit = _assign(stories, indices, config.tasks, rng)
+        splits[name], unfit = _assign(stories, indices, config.tasks, rng, common)
         dropped[f"{name}_fits_no_task"] = unfit
     return Built({s: splits[s] for s in SPLITS}, records, dict(sorted(dropped.items())))
 

@@ -7,7 +7,7 @@ reply (what was written stays in the conversation) and returns to the prompt; Ct
 prompt only says how to leave (Ctrl-D or /quit). When the conversation no longer fits the
 model's context, its oldest turns are left out of the prompt (the system message stays).
 
-Generation is `kiln.posttrain.replies.stream_reply` (the module to switch to the engine).
+Replies come from `kiln.posttrain.replies.ReplyGenerator` (kiln.serve's engine).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import TextIO
 
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel
-from kiln.posttrain import replies
 from kiln.posttrain.chat_format import ChatTemplate, render, require_chat_template
-from kiln.posttrain.replies import ReplySettings, reply_stop_ids
+from kiln.posttrain.replies import ReplyGenerator, ReplySettings, reply_stop_ids
 from kiln.tokenizer.tokenizer import Tokenizer
 
 HELP = """commands:
@@ -51,7 +50,9 @@ class ChatSession:
         assert self.loaded.tokenizer is not None
         self.tok: Tokenizer = self.loaded.tokenizer
         self.template: ChatTemplate = require_chat_template(self.tok, "kiln chat")
-        self.stop_ids = reply_stop_ids(self.loaded, self.template.stop_ids)
+        self.generator = ReplyGenerator(
+            self.loaded, reply_stop_ids(self.loaded, self.template.stop_ids)
+        )
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation so far, system message first."""
@@ -89,11 +90,10 @@ class ChatSession:
         new: list[int] = []
         shown = ""
         try:
-            with self.loaded.autocast():
-                for token in replies.stream_reply(self.loaded, ids, settings, self.stop_ids):
-                    new.append(token)
-                    shown = self._show(new, shown, write)
-                    _reply_token_hook()
+            for token in self.generator.stream(ids, settings):
+                new.append(token)
+                shown = self._show(new, shown, write)
+                _reply_token_hook()
         except KeyboardInterrupt:
             write(_text_of(self.tok, new)[len(shown) :] + " [stopped]")
             shown = _text_of(self.tok, new)

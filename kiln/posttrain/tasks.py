@@ -5,19 +5,22 @@ reply a model is fine-tuned on) plus the parameters its check needs. The check i
 that says whether a reply does what was asked: `kiln eval --chat-tasks` counts successes with it
 and reinforcement learning can use `score` as a reward, so both judge alike.
 
-- words:     "Write a story that uses the words A, B and C."  (three words of the story)
+- words:     "Write a story that uses the words A, B and C."  (three of the story's keywords)
              check: each word appears, as a whole word in any case
 - name:      "Write a story about a girl named N."  (a "girl named X" story, X renamed to N)
              check: N appears, as a whole word
 - continue:  "Continue this story: <first half>"  (the reply: the second half)
-             check: the start's first sentence is not repeated, and at least two of the start's
-             content words appear (it goes on about the same things)
+             check: the start's first sentence is not repeated, and at least two keywords of the
+             start that the real second half carries on appear (it goes on about the same things)
 - sentences: "Write a story of about K sentences."  (K: the story's own count)
              check: K sentences, give or take max(1, K/5)
 - shorter:   a story, then "Now make it shorter."  (the reply: fewer sentences of that story)
-             check: at most 3/4 of the words of the story before it
+             check: at most 3/4 of the words of the story before it, and two of the target's
+             keywords (it retells that story)
 
-Every check also needs a reply of at least five words (an empty or one-word reply fails all).
+A story's keywords are its content words (not stopwords) that are not common in the corpus
+(in 5% of its stories or more: "happy", "play", "Lily" are in most), so a reply cannot pass by
+writing any TinyStories story. Every check also needs a reply of at least five words.
 `score` is in [0, 1] (the fraction of what was asked that the reply does); `check` is True when
 the reply does all of it.
 """
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,26 +129,68 @@ class Example:
 
 
 @dataclass(frozen=True)
+class Story:
+    """What a task is made from: a story, a seeded generator, and the corpus's common words."""
+
+    text: str
+    rng: random.Random
+    common: frozenset[str] = frozenset()  # `common_words` of the corpus the story is from
+
+    def keywords(self, text: str, also_in: str | None = None) -> list[str]:
+        """The content words of `text` (and of `also_in`, when given) rare enough in the corpus
+        to show a reply is about it; the plain content words when none are rare."""
+        found = content_words(text)
+        if also_in is not None:
+            found &= content_words(also_in)
+        return sorted(found - self.common or found)
+
+
+Made = tuple[list[dict[str, str]], Params] | None
+
+
+@dataclass(frozen=True)
 class ChatTask:
     """A task: how to make it from a story (None: the story does not fit) and how to score."""
 
     name: str
     description: str
-    make: Callable[[str, random.Random], tuple[list[dict[str, str]], Params] | None]
+    make: Callable[[Story], Made]
     score: Callable[[Params, str], float]
+
+
+COMMON_SHARE = 0.05  # a word in at least this share of the corpus's stories is "common"
+KEYWORDS_NEEDED = 2  # a reply about a story names at least this many of its keywords
+
+
+def common_words(stories: Iterable[str], share: float = COMMON_SHARE) -> frozenset[str]:
+    """The content words found in at least `share` of the stories (no evidence of topic)."""
+    counts: Counter[str] = Counter()
+    n = 0
+    for story in stories:
+        counts.update(content_words(story))
+        n += 1
+    return frozenset(w for w, c in counts.items() if c >= share * n)
+
+
+def _keyword_share(keywords: list[str], reply: str) -> float:
+    """The share of the needed keywords the reply names (1.0 when none are needed)."""
+    if not keywords:
+        return 1.0
+    shared = len(set(keywords) & content_words(reply))
+    return min(1.0, shared / min(KEYWORDS_NEEDED, len(keywords)))
 
 
 def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
     return [{"role": role, "content": content} for role, content in pairs]
 
 
-def _make_words(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
-    pool = sorted(w for w in content_words(story) if w.isalpha() and w.islower() and len(w) > 2)
-    if len(pool) < 3:
+def _make_words(story: Story) -> Made:
+    rare = [w for w in story.keywords(story.text) if w.isalpha() and w.islower()]
+    if len(rare) < 3:
         return None
-    chosen = rng.sample(pool, 3)
+    chosen = story.rng.sample(rare, 3)
     prompt = f"Write a story that uses the words {chosen[0]}, {chosen[1]} and {chosen[2]}."
-    return _turns(("user", prompt), ("assistant", story)), {"words": chosen}
+    return _turns(("user", prompt), ("assistant", story.text)), {"words": chosen}
 
 
 def _score_words(params: Params, reply: str) -> float:
@@ -154,12 +200,12 @@ def _score_words(params: Params, reply: str) -> float:
     return sum(_has_word(reply, w) for w in wanted) / len(wanted)
 
 
-def _make_name(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
-    match = _GIRL_NAMED.search(story)
+def _make_name(story: Story) -> Made:
+    match = _GIRL_NAMED.search(story.text)
     if match is None:
         return None
-    name = rng.choice(GIRL_NAMES)
-    renamed = re.sub(rf"\b{match.group(1)}\b", name, story)
+    name = story.rng.choice(GIRL_NAMES)
+    renamed = re.sub(rf"\b{match.group(1)}\b", name, story.text)
     prompt = f"Write a story about a girl named {name}."
     return _turns(("user", prompt), ("assistant", renamed)), {"name": name}
 
@@ -168,20 +214,16 @@ def _score_name(params: Params, reply: str) -> float:
     return float(_is_story(reply) and re.search(rf"\b{params['name']}\b", reply) is not None)
 
 
-def _make_continue(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
-    parts = sentences(story)
+def _make_continue(story: Story) -> Made:
+    parts = sentences(story.text)
     if len(parts) < 4:
         return None
     half = len(parts) // 2
     start, rest = " ".join(parts[:half]), " ".join(parts[half:])
-    keys = sorted(content_words(start) & content_words(story))
     return (
         _turns(("user", f"Continue this story: {start}"), ("assistant", rest)),
-        {"start": start, "keywords": keys},
+        {"start": start, "keywords": story.keywords(start, also_in=rest)},
     )
-
-
-CONTINUE_KEYWORDS = 2  # a continuation names at least this many of the start's content words
 
 
 def _score_continue(params: Params, reply: str) -> float:
@@ -191,19 +233,15 @@ def _score_continue(params: Params, reply: str) -> float:
     first = sentences(params["start"])[0]
     if first.lower() in reply.lower():
         return 0.0  # restarted the story instead of continuing it
-    keys = set(params["keywords"])
-    if not keys:
-        return 1.0
-    shared = len(keys & content_words(reply))
-    return min(1.0, shared / min(CONTINUE_KEYWORDS, len(keys)))
+    return _keyword_share(params["keywords"], reply)
 
 
-def _make_sentences(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
-    k = len(sentences(story))
+def _make_sentences(story: Story) -> Made:
+    k = len(sentences(story.text))
     if not 3 <= k <= 15:
         return None
     prompt = f"Write a story of about {k} sentences."
-    return _turns(("user", prompt), ("assistant", story)), {"sentences": k}
+    return _turns(("user", prompt), ("assistant", story.text)), {"sentences": k}
 
 
 def sentence_tolerance(k: int) -> int:
@@ -219,29 +257,30 @@ def _score_sentences(params: Params, reply: str) -> float:
     return 1.0 if off <= sentence_tolerance(k) else max(0.0, 1.0 - off / k)
 
 
-def _make_shorter(story: str, rng: random.Random) -> tuple[list[dict[str, str]], Params] | None:
-    parts = sentences(story)
+def _make_shorter(story: Story) -> Made:
+    parts = sentences(story.text)
     if len(parts) < 4:
         return None
-    opening = _make_words(story, rng)
+    opening = _make_words(story)
     if opening is None:
         return None
     keep = max(2, len(parts) // 2)
     short = " ".join([*parts[: keep - 1], parts[-1]])
     messages = [*opening[0], *_turns(("user", "Now make it shorter."), ("assistant", short))]
-    return messages, {"previous_words": len(words(story))}
+    return messages, {"previous_words": len(words(story.text)), "keywords": story.keywords(short)}
 
 
 SHORTER_RATIO = 0.75  # "shorter": at most this fraction of the previous story's words
 
 
 def _score_shorter(params: Params, reply: str) -> float:
-    """Shorter than the story before it (in words), and still a story."""
+    """Shorter than the story before it (in words), and still about that story."""
     if not _is_story(reply):
         return 0.0
-    n = len(words(reply))
-    limit = SHORTER_RATIO * params["previous_words"]
-    return 1.0 if n <= limit else max(0.0, 1.0 - (n - limit) / params["previous_words"])
+    n, before = len(words(reply)), params["previous_words"]
+    limit = SHORTER_RATIO * before
+    length = 1.0 if n <= limit else max(0.0, 1.0 - (n - limit) / before)
+    return (length + _keyword_share(params["keywords"], reply)) / 2
 
 
 TASKS: dict[str, ChatTask] = {
@@ -256,9 +295,19 @@ TASKS: dict[str, ChatTask] = {
 }
 
 
-def make_example(task: str, story: str, story_id: int, rng: random.Random) -> Example | None:
-    """Task `task` made from one story, or None when the story does not fit that task."""
-    made = TASKS[task].make(story.strip(), rng)
+def make_example(
+    task: str,
+    story: str,
+    story_id: int,
+    rng: random.Random,
+    common: frozenset[str] = frozenset(),
+) -> Example | None:
+    """Task `task` made from one story, or None when the story does not fit that task.
+
+    `common` (`common_words` of the corpus) keeps words every story uses out of the drawn
+    words and the keywords a reply must name.
+    """
+    made = TASKS[task].make(Story(story.strip(), rng, common))
     if made is None:
         return None
     messages, params = made

@@ -112,15 +112,40 @@ def test_run_chat_keeps_going_after_ctrl_c_at_the_prompt(session_model: LoadedMo
 def test_a_stopped_reply_keeps_what_was_written(
     session_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kiln.posttrain import replies
+    from kiln.posttrain.replies import ReplyGenerator
 
     def two_then_ctrl_c(*args: object) -> Iterator[int]:
         yield from session_model.tokenizer.encode("Once upon")  # type: ignore[union-attr]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(replies, "stream_reply", two_then_ctrl_c)
+    monkeypatch.setattr(ReplyGenerator, "stream", two_then_ctrl_c)
     session = ChatSession(session_model, ReplySettings(temperature=0))
     out = io.StringIO()
     assert session.reply("Hi.", out.write) == "Once upon"
     assert out.getvalue() == "Once upon [stopped]"
     assert session.turns[-1] == {"role": "assistant", "content": "Once upon"}
+
+
+def test_ctrl_c_while_the_engine_steps_stops_the_reply_and_the_next_works(
+    session_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln.serve.engine import Engine
+
+    real_step = Engine.step
+    calls = {"n": 0}
+
+    def step_then_interrupt(self: Engine) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # as if Ctrl-C landed mid-step
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    session = ChatSession(session_model, ReplySettings(temperature=0, max_tokens=6))
+    out = io.StringIO()
+    session.reply("Hi.", out.write)
+    assert out.getvalue().endswith(" [stopped]")
+    again = io.StringIO()
+    session.reply("Hi.", again.write)  # a fresh engine: a whole reply, not an error
+    assert "[stopped]" not in again.getvalue()
+    assert [t["role"] for t in session.turns] == ["user", "assistant"] * 2

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from kiln.cli import main
-from kiln.eval import chat_tasks
 from kiln.eval.chat_tasks import evaluate_chat_tasks, heldout_records, wilson_interval
 from kiln.loading import LoadedModel, load_model
 from kiln.posttrain.chat_data import ChatDataConfig, write_chat_data
-from kiln.posttrain.replies import ReplySettings
+from kiln.posttrain.replies import ReplyGenerator, ReplySettings
 from kiln.posttrain.tasks import TASKS
 from kiln.tokenizer.special import EOT
 
@@ -49,7 +48,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
     assert tok is not None
     targets = {}
 
-    def oracle(loaded: object, prompts: list, settings: object, stops: object) -> list:
+    def oracle(self: object, prompts: list, settings: object) -> list:
         return [targets[tuple(p)] for p in prompts]
 
     from kiln.posttrain.chat_format import render
@@ -58,7 +57,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
         prompt = render(r["messages"][:-1], tok, add_generation_prompt=True).ids
         reply = tok.encode(r["messages"][-1]["content"])
         targets[tuple(prompt)] = [*reply, tok.special_tokens["<|end|>"]]
-    monkeypatch.setattr(chat_tasks, "generate_replies", oracle)
+    monkeypatch.setattr(ReplyGenerator, "generate", oracle)
     results = evaluate_chat_tasks(model, records, ReplySettings(temperature=0), batch_size=3)
     by_task = {r.task: r for r in results}
     assert sum(r.n + r.skipped for r in results) == len(records)
@@ -75,9 +74,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
         assert all(s["passed"] for s in r.samples)
     assert any(r.n for r in by_task.values())
 
-    monkeypatch.setattr(
-        chat_tasks, "generate_replies", lambda loaded, prompts, s, st: [[] for _ in prompts]
-    )
+    monkeypatch.setattr(ReplyGenerator, "generate", lambda self, prompts, s: [[] for _ in prompts])
     empty = evaluate_chat_tasks(model, records, ReplySettings(temperature=0))
     assert all(r.successes == 0 and r.mean_score == 0 for r in empty)
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kiln.errors import KilnError
-from kiln.posttrain.tasks import TASKS, check, make_example, score, sentences
+from kiln.posttrain.tasks import TASKS, check, common_words, make_example, score, sentences
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She had a red ball. "
@@ -84,6 +84,7 @@ def test_shorter_is_multi_turn_and_needs_fewer_words() -> None:
     )
     assert not check(r, STORY)
     assert check(r, "Lily and her dog Max played with a ball.")
+    assert not check(r, "A robot flew to the moon and sang.")  # short, but another story
 
 
 def test_a_record_without_a_known_task_is_a_clear_error() -> None:
@@ -91,3 +92,17 @@ def test_a_record_without_a_known_task_is_a_clear_error() -> None:
         check({"task": "poem", "params": {}}, "x")
     with pytest.raises(KilnError, match="bad params"):
         check({"task": "words", "params": {}}, "a b c d e f")
+
+
+def test_common_words_are_not_drawn_nor_counted_as_keywords() -> None:
+    others = ["Lily was happy. She had a ball.", "Tom had a ball. Lily was happy too."] * 10
+    common = common_words([STORY, *others])
+    assert {"lily", "ball", "happy"} <= common and "hugged" not in common
+    for seed in range(5):
+        example = make_example("words", STORY, 7, random.Random(seed), common)
+        assert example is not None and not set(example.params["words"]) & common
+    example = make_example("continue", STORY, 7, random.Random(0), common)
+    assert example is not None and not set(example.params["keywords"]) & common
+    generic = "Lily was happy with her ball and she played all day long."
+    assert check(example.to_json(), "Max ran and brought the ball back to the park.")
+    assert not check(example.to_json(), generic)  # only words every story has

@@ -1,0 +1,642 @@
+"""The inference engine: continuous batching of many requests over a paged KV cache.
+
+Requests arrive with `submit` (from any thread) and leave as soon as they finish; every `step`
+runs one forward over the scheduled segments of all running requests (a decode token each,
+plus prefill chunks up to the token budget), then samples each request's next token with its
+own generator. Greedy output equals `kiln.model.generate` for the prompt alone, and in fp32 on
+CPU a request's logits do not depend on the rest of the batch (see `invariant.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.config import ConfigError, require
+from kiln.errors import KilnError
+from kiln.model.transformer import Transformer
+from kiln.serve.block_pool import BlockPool, block_bytes
+from kiln.serve.invariant import BatchInvariant
+from kiln.serve.paged_cache import PagedStep
+from kiln.serve.sampling import SamplingParams, sample_generator, sample_token
+from kiln.serve.scheduler import Scheduler, Work
+from kiln.serve.scheduler import Sequence as Seq
+from kiln.serve.stop import TextStream
+
+if TYPE_CHECKING:
+    from kiln.loading import LoadedModel
+    from kiln.tokenizer.tokenizer import Tokenizer
+
+
+class EngineFull(KilnError):
+    """The waiting queue is at max_waiting: try again later (HTTP 429)."""
+
+
+class EngineConfigError(ConfigError):
+    """An engine setting out of range; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """KV pool size, batch limits and scheduling switches of an Engine."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # the pool's size; None: from kv_cache_bytes or the default
+    kv_cache_bytes: int | None = None  # bound the pool by memory instead of a block count
+    max_num_seqs: int = 64  # sequences (samples) running at once
+    max_tokens_per_step: int = 512  # token budget per step (decode tokens + prefill chunks)
+    prefill_chunk: int = 128  # prompts are prefilled in chunks cut at multiples of this
+    max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
+    prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
+    batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
+    invariant_rows: int = 16  # rows per matmul tile when batch_invariant
+    default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
+
+    def __post_init__(self) -> None:
+        """Refuse values the engine cannot run with, naming the field."""
+        for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk",
+                     "max_waiting", "invariant_rows", "default_kv_bytes"):  # fmt: skip
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1,
+                    f"engine.{name} must be an integer >= 1, got {value!r}",
+                    EngineConfigError)  # fmt: skip
+        for name in ("num_blocks", "kv_cache_bytes"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, int) and value >= 1),
+                    f"engine.{name} must be None or an integer >= 1, got {value!r}",
+                    EngineConfigError)  # fmt: skip
+        require(self.num_blocks is None or self.kv_cache_bytes is None,
+                "engine.num_blocks and engine.kv_cache_bytes are exclusive: give one",
+                EngineConfigError)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's queues, KV pool and counters."""
+
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_used: int  # held by sequences or kept by the prefix cache
+    blocks_free: int
+    blocks_cached: int  # kept by the prefix cache, held by no sequence
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    prefix_hits: int  # prompt tokens served from the prefix cache
+    steps: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one sample, with the text it releases."""
+
+    index: int  # which of the n samples (0..n-1)
+    token_id: int
+    text: str  # "" while a possible stop string or an incomplete UTF-8 sequence is held back
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None  # best first, when params.logprobs
+
+
+@dataclass
+class Completion:
+    """One finished sample."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    logprobs: list[TokenEvent] | None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Sample:
+    """The engine's state for one sample of a request."""
+
+    request: _Request
+    index: int
+    generator: torch.Generator
+    stream: TextStream
+    seq: Seq | None = None
+    generated: list[int] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    done: Completion | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    handle: RequestHandle
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    samples: list[_Sample] = field(default_factory=list)
+    forked: bool = False
+    cancelled: bool = False
+
+
+_ids = itertools.count()
+
+
+class RequestHandle:
+    """A submitted request: iterate its tokens as they come, cancel it, or wait for the result."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], n: int) -> None:
+        self.request_id = f"req-{next(_ids)}"
+        self.prompt_ids = prompt_ids
+        self.engine = engine
+        self.n = n
+        self.done = False
+        self.submit_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self._events: deque[TokenEvent] = deque()
+        self._completions: dict[int, Completion] = {}
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # ------------------------------------------------------------------------ engine side
+    def _push(self, event: TokenEvent) -> None:
+        with self._cond:
+            if self.first_token_time is None:
+                self.first_token_time = time.monotonic()
+            self._events.append(event)
+        self._notify()
+
+    def _finish(self, completion: Completion) -> None:
+        with self._cond:
+            self._completions[completion.index] = completion
+            if len(self._completions) == self.n:
+                self.finish_time = time.monotonic()
+                self.done = True
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    # ------------------------------------------------------------------------ caller side
+    def _next(self, timeout: float | None) -> TokenEvent | None:
+        """The next event, driving the engine when no background loop does; None at the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if self._events:
+                    return self._events.popleft()
+                if self.done:
+                    return None
+                if self.engine.background:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"{self.request_id} did not finish in time")
+                    self._cond.wait(0.05 if left is None else min(left, 0.05))
+                    continue
+            self.engine.step()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        """Token events of all n samples as they are produced (blocking)."""
+        while (event := self._next(None)) is not None:
+            yield event
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Token events for asyncio code (steps the engine in a worker thread if nothing does)."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, wake))
+        try:
+            while True:
+                with self._cond:
+                    event = self._events.popleft() if self._events else None
+                    finished = self.done and event is None
+                    wake.clear()
+                if event is not None:
+                    yield event
+                elif finished:
+                    return
+                elif self.engine.background:
+                    await wake.wait()
+                else:
+                    await loop.run_in_executor(None, self.engine.step)
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, wake))
+
+    def cancel(self) -> None:
+        """Stop generating; the request's KV blocks are freed at the next step at the latest."""
+        self.engine._cancel(self)
+
+    def result(self, timeout: float | None = None) -> list[Completion]:
+        """The n completions, sample index order, once all are finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"{self.request_id} did not finish in time")
+            if self.engine.background:
+                with self._cond:
+                    self._cond.wait(0.05 if left is None else min(left, 0.05))
+            else:
+                self.engine.step()
+        return [self._completions[i] for i in range(self.n)]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig | None = None,
+        *,
+        eot_id: int | None = None,
+        drafter: Any = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.eot_id = eot_id
+        self.drafter = drafter  # reserved for speculative decoding (kiln.serve.speculative)
+        self._autocast = autocast or contextlib.nullcontext
+        param = next(model.parameters())
+        self.device = param.device
+        cfg = model.cfg
+        c = self.config
+        per_block = block_bytes(cfg, c.block_size, param.dtype)
+        if c.num_blocks is not None:
+            num_blocks = c.num_blocks
+        else:
+            memory = c.kv_cache_bytes or c.default_kv_bytes
+            num_blocks = memory // per_block
+            if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
+                num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
+        if num_blocks < 1:
+            raise EngineConfigError(
+                f"engine.kv_cache_bytes = {c.kv_cache_bytes} holds no KV block "
+                f"({per_block} bytes each)"
+            )
+        self.pool = BlockPool(cfg, num_blocks, c.block_size, device=self.device, dtype=param.dtype)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=c.max_num_seqs, max_tokens_per_step=c.max_tokens_per_step,
+            prefill_chunk=c.prefill_chunk, prefix_caching=c.prefix_caching,
+        )  # fmt: skip
+        self._lock = threading.Lock()  # guards the inbox, cancellations and counters
+        self._step_lock = threading.Lock()  # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._inbox: deque[_Request] = deque()
+        self._cancels: set[RequestHandle] = set()
+        self._requests: dict[RequestHandle, _Request] = {}
+        self._arrivals = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.steps = 0
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig | None = None) -> Engine:
+        """An engine over what kiln.loading.load_model returned (its precision included)."""
+        engine = cls(loaded.model, loaded.tokenizer, config, eot_id=loaded.eot_id,
+                     autocast=loaded.autocast)  # fmt: skip
+        engine.extra_stop_ids = frozenset(loaded.stop_ids)
+        return engine
+
+    extra_stop_ids: frozenset[int] = frozenset()  # further end-of-sequence ids (HF configs)
+
+    @property
+    def background(self) -> bool:
+        """Whether start()'s loop is stepping the engine."""
+        return self._thread is not None
+
+    # ---------------------------------------------------------------------------- requests
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> RequestHandle:
+        """Queue a request; every bad value is refused here with a KilnError naming the field."""
+        params = SamplingParams() if params is None else params
+        ids = self._check(prompt_ids, params)
+        handle = RequestHandle(self, ids, params.n)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.extra_stop_ids
+            if self.eot_id is not None:
+                stop.add(self.eot_id)
+        request = _Request(handle, params, frozenset(stop))
+        for i in range(params.n):
+            request.samples.append(_Sample(
+                request, i, sample_generator(params, i, self.device),
+                TextStream(self.tokenizer, params.stop),
+            ))  # fmt: skip
+        with self._lock:
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise EngineFull(
+                    f"the engine has {self.config.max_waiting} requests waiting "
+                    "(engine.max_waiting); try again later"
+                )
+            self._inbox.append(request)
+            self._wake.notify_all()
+        return handle
+
+    def submit_text(self, prompt: str, params: SamplingParams | None = None) -> RequestHandle:
+        """Encode prompt (special-token text refused) and submit it."""
+        from kiln.tokenizer.user_text import encode_user_text
+
+        if self.tokenizer is None:
+            raise KilnError("this engine has no tokenizer: submit token ids instead")
+        ids = encode_user_text(self.tokenizer, prompt, False, "the prompt", "pass token ids")
+        if not ids and self.eot_id is not None:
+            ids = [self.eot_id]  # an empty prompt starts a fresh document
+        return self.submit(ids, params)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[Completion]]:
+        """Run a batch of prompts to completion: each prompt's n completions."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise KilnError(f"params: {len(params)} given for {len(prompts)} prompts")
+        handles = [self.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return [h.result() for h in handles]
+
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, after every check a request must pass."""
+        if not isinstance(params, SamplingParams):
+            raise KilnError(f"params must be SamplingParams, got {type(params).__name__}")
+        cfg = self.model.cfg
+        if isinstance(prompt_ids, str | bytes) or not isinstance(
+            prompt_ids, Sequence | torch.Tensor
+        ):
+            raise KilnError(
+                f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}"
+            )
+        ids = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
+        if not ids:
+            raise KilnError("prompt_ids is empty: a prompt needs at least one token")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < cfg.vocab_size:
+                raise KilnError(
+                    f"prompt_ids[{i}] = {t!r} is not a token id in [0, {cfg.vocab_size})"
+                )
+        bad = [t for t in params.stop_token_ids if t >= cfg.vocab_size]
+        if bad:
+            raise KilnError(
+                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+            )
+        if params.logprobs is not None and params.logprobs > cfg.vocab_size:
+            raise KilnError(
+                f"logprobs = {params.logprobs} exceeds the vocabulary ({cfg.vocab_size})"
+            )
+        if len(ids) >= cfg.block_size:
+            raise KilnError(
+                f"prompt_ids: {len(ids)} tokens leave no room in the model's context of "
+                f"{cfg.block_size} tokens"
+            )
+        total = len(ids) + params.max_tokens
+        if total > cfg.block_size:
+            raise KilnError(
+                f"max_tokens = {params.max_tokens}: the prompt ({len(ids)} tokens) + max_tokens "
+                f"= {total} exceeds the model's context of {cfg.block_size} tokens"
+            )
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise KilnError(
+                f"max_tokens = {params.max_tokens}: prompt + max_tokens needs {blocks} KV blocks, "
+                f"the pool has {self.pool.num_blocks} (engine.num_blocks)"
+            )
+        return ids
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._cancels.add(handle)
+            self._wake.notify_all()
+
+    # ---------------------------------------------------------------------------- stepping
+    def step(self) -> int:
+        """One scheduling step: one forward over the scheduled work; the tokens it produced."""
+        with self._step_lock:
+            self._take_inbox()
+            work = self.scheduler.schedule()
+            if not work:
+                return 0
+            self.steps += 1
+            try:
+                logits = self._forward(work)
+            except Exception as exc:  # the step's requests fail, the engine lives
+                for w in work:
+                    self._fail(w.seq.owner.request, exc)
+                return 0
+            produced = 0
+            row = 0
+            for w in work:
+                self.scheduler.computed(w.seq, w.end - w.start)
+            for w in work:
+                if not w.sample:
+                    continue
+                sample: _Sample = w.seq.owner
+                request = sample.request
+                if sample.done is None:
+                    try:
+                        produced += self._advance(sample, logits[row])
+                    except Exception as exc:  # this request fails alone
+                        self._fail(request, exc)
+                row += 1
+            with self._lock:
+                self.generated_tokens += produced
+            return produced
+
+    def _forward(self, work: list[Work]) -> torch.Tensor:
+        """Logits (R, V) of the rows that sample, one forward over all segments."""
+        tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
+        idx = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]  # (1, N)
+        cache = PagedStep(self.pool, [w.segment() for w in work], self.device)
+        rows = [b - 1 for w, (_, b) in zip(work, cache.bounds, strict=True) if w.sample]
+        mode = (
+            BatchInvariant(self.config.invariant_rows)
+            if self.config.batch_invariant
+            else contextlib.nullcontext()
+        )
+        with torch.inference_mode(), self._autocast(), mode:
+            h = self.model.hidden(idx, cache)  # (1, N, C)
+            if not rows:
+                return h.new_empty(0, self.model.cfg.vocab_size)
+            return self.model.logits(h[0, rows]).float()  # (R, V)
+
+    def _advance(self, sample: _Sample, logits: torch.Tensor) -> int:
+        """Sample the next token of one sample (forking the other n-1 after the prompt)."""
+        request = sample.request
+        if request.params.n > 1 and not request.forked:
+            request.forked = True
+            produced = 0
+            for child in request.samples[1:]:
+                if self._fork(sample.seq, child):
+                    produced += self._sample_one(child, logits)
+            return produced + self._sample_one(sample, logits)
+        return self._sample_one(sample, logits)
+
+    def _sample_one(self, sample: _Sample, logits: torch.Tensor) -> int:
+        seq = sample.seq
+        assert seq is not None
+        params = sample.request.params
+        picked = sample_token(logits, params, seq.tokens[: seq.prompt_len], sample.generated,
+                              sample.generator)  # fmt: skip
+        if picked.token_id in sample.request.stop_ids:
+            self._complete(sample, "stop")
+            return 0
+        sample.generated.append(picked.token_id)
+        seq.tokens.append(picked.token_id)
+        text = sample.stream.push(picked.token_id)
+        reason = None
+        if sample.stream.stopped:
+            reason = "stop"
+        elif len(sample.generated) >= params.max_tokens:
+            reason = "length"
+            text += sample.stream.finish()
+        event = TokenEvent(sample.index, picked.token_id, text, picked.logprob, picked.top_logprobs)
+        sample.text.append(text)
+        if params.logprobs is not None:
+            sample.events.append(event)
+        sample.request.handle._push(event)
+        if reason is not None:
+            self._complete(sample, reason)
+        return 1
+
+    def _fork(self, parent: Seq | None, child: _Sample) -> bool:
+        """Start sample `child` on the parent's prompt blocks; False if it must wait instead."""
+        assert parent is not None
+        bs = self.pool.block_size
+        prompt = parent.tokens[: parent.prompt_len]
+        seq = Seq(list(prompt), parent.prompt_len, next(self._arrivals), owner=child)
+        child.seq = seq
+        full, partial = divmod(parent.prompt_len, bs)
+        room = len(self.scheduler.running) < self.config.max_num_seqs
+        if not room or (partial and self.pool.available == 0):
+            self.scheduler.add(seq)  # recomputed (prefix-cache hits permitting) when admitted
+            return False
+        for block in parent.blocks[:full]:
+            self.pool.retain(block)
+        seq.blocks = list(parent.blocks[:full])
+        if partial:  # copy-on-write: each sample writes its own tokens into the last block
+            block = self.pool.allocate()
+            self.pool.copy(parent.blocks[full], block)
+            seq.blocks.append(block)
+        seq.num_computed = parent.prompt_len
+        seq.registered = min(parent.registered, full)
+        seq.keys = parent.keys[:full]
+        self.scheduler.running.append(seq)
+        return True
+
+    def _complete(self, sample: _Sample, reason: str, error: str | None = None) -> None:
+        if sample.done is not None:
+            return
+        if sample.seq is not None:
+            self.scheduler.remove(sample.seq)
+            sample.seq.finished = True
+        params = sample.request.params
+        sample.done = Completion(
+            sample.index, list(sample.generated), "".join(sample.text), reason,
+            list(sample.events) if params.logprobs is not None else None, error,
+        )  # fmt: skip
+        sample.request.handle._finish(sample.done)
+        if all(s.done is not None for s in sample.request.samples):
+            self._requests.pop(sample.request.handle, None)
+
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        for sample in request.samples:
+            self._complete(sample, "error", message)
+
+    def _take_inbox(self) -> None:
+        """Move new requests into the scheduler and apply cancellations (under the lock)."""
+        with self._lock:
+            new = list(self._inbox)
+            self._inbox.clear()
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        for request in new:
+            self._requests[request.handle] = request
+            # Only sample 0 prefills; the others fork from its prompt blocks (see _advance).
+            first = request.samples[0]
+            prompt = request.handle.prompt_ids
+            first.seq = Seq(list(prompt), len(prompt), next(self._arrivals), owner=first)
+            self.scheduler.add(first.seq)
+            with self._lock:
+                self.prompt_tokens += len(request.handle.prompt_ids)
+        for handle in cancels:
+            request = self._requests.get(handle)
+            if request is not None:
+                for sample in request.samples:
+                    self._complete(sample, "cancelled")
+
+    # ---------------------------------------------------------------------------- background
+    def start(self) -> None:
+        """Step in a background thread until stop()."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._has_work():
+                    self._wake.wait(0.1)
+                if self._stopping:
+                    return
+            self.step()
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self.scheduler.running
+                    or self.scheduler.waiting)  # fmt: skip
+
+    def stop(self, cancel_running: bool = False, timeout: float | None = None) -> None:
+        """Stop the background loop (after its current step); optionally cancel every request."""
+        thread = self._thread
+        if thread is not None:
+            with self._lock:
+                self._stopping = True
+                self._wake.notify_all()
+            thread.join(timeout)
+            self._thread = None
+        if cancel_running:
+            with self._lock:
+                self._cancels.update(self._requests)
+                self._cancels.update(r.handle for r in self._inbox)
+            with self._step_lock:
+                self._take_inbox()
+
+    # ---------------------------------------------------------------------------- inspection
+    def stats(self) -> EngineStats:
+        """Queues, KV pool and counters now."""
+        with self._lock:
+            pool, sched = self.pool, self.scheduler
+            return EngineStats(
+                running=len(sched.running), waiting=len(sched.waiting) + len(self._inbox),
+                blocks_total=pool.num_blocks, blocks_used=pool.used, blocks_free=len(pool.free),
+                blocks_cached=pool.cached, prompt_tokens=self.prompt_tokens,
+                generated_tokens=self.generated_tokens, preemptions=sched.preemptions,
+                prefix_hits=sched.prefix_hits, steps=self.steps,
+            )  # fmt: skip
+
+    def audit(self) -> None:
+        """Check the KV block books against every live sequence (AssertionError on a leak)."""
+        with self._step_lock:
+            seqs = [*self.scheduler.running, *self.scheduler.waiting]
+            self.pool.audit(s.blocks for s in seqs)

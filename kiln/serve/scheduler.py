@@ -1,0 +1,221 @@
+"""Which tokens run in the next step: waiting and running queues, a token budget, preemption.
+
+Every running sequence that is decoding contributes one token; the rest of the step's token
+budget goes to prefill, in chunks, oldest request first. Chunk boundaries sit at fixed
+multiples of `prefill_chunk` in the sequence, whatever else runs in the step, so a prompt is cut
+the same way alone or in a crowd (part of what keeps a request's numbers batch-independent).
+When a decoding sequence needs a block and none is left, the newest running sequence is
+preempted: its blocks are released and it is recomputed from its tokens when there is room.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.serve.block_pool import BlockKey, BlockPool, block_keys
+from kiln.serve.paged_cache import Segment
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its tokens, how many are in the cache, and its block table."""
+
+    tokens: list[int]
+    prompt_len: int
+    arrival: int  # order of admission to the engine: older sequences are served first
+    owner: Any = None  # the engine's per-sample state
+    num_computed: int = 0  # tokens whose keys and values are in the blocks
+    blocks: list[int] = field(default_factory=list)
+    registered: int = 0  # leading blocks already offered to the prefix cache
+    keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of full blocks
+    finished: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        """Whether only the last token is left to feed (the next step samples after it)."""
+        return self.num_computed == len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class Work:
+    """One scheduled segment of a sequence; `sample` when its last token gives the next one."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def sample(self) -> bool:
+        """Whether this segment reaches the sequence's last token (its logits are needed)."""
+        return self.end == len(self.seq.tokens)
+
+    def segment(self) -> Segment:
+        """The segment as the paged cache sees it."""
+        return Segment(tuple(self.seq.blocks), self.start, self.end)
+
+
+class Scheduler:
+    """The waiting and running queues over one block pool."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_tokens_per_step: int,
+        prefill_chunk: int,
+        prefix_caching: bool,
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_tokens_per_step
+        self.chunk = prefill_chunk
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+        self.preemptions = 0
+        self.prefix_hits = 0  # prompt tokens found in the prefix cache
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind the waiting ones."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, cancelled or failed) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+
+    def schedule(self) -> list[Work]:
+        """The segments of the next step (empty when nothing can run)."""
+        work: list[Work] = []
+        budget = self.budget
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq not in self.running or not seq.decoding:
+                continue  # preempted by an older one just now, or still prefilling
+            if not self._grow(seq, seq.num_computed + 1, scheduled):
+                continue  # seq itself was preempted
+            work.append(Work(seq, seq.num_computed, seq.num_computed + 1))
+            scheduled.add(id(seq))
+            budget -= 1
+        prefilling = [s for s in self.running if not s.decoding]
+        for seq in prefilling:
+            budget = self._prefill(seq, budget, work)
+            if budget <= 0:
+                return work
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            before = len(work)
+            budget = self._prefill(seq, budget, work)
+            if len(work) == before:
+                break
+        if not work and len(self.running) > 1:
+            # Prefills holding blocks that none of them can extend: make room by recompute.
+            self._preempt(self.running[-1])
+            return self.schedule()
+        return work
+
+    def _chunks(self, seq: Sequence, budget: int, allow_over: bool) -> list[tuple[int, int]]:
+        """Whole chunks of seq's remaining tokens that fit the budget (and the free blocks)."""
+        out = []
+        pos = seq.num_computed
+        free = self.pool.available
+        have = len(seq.blocks)
+        bs = self.pool.block_size
+        while pos < len(seq.tokens):
+            end = min(len(seq.tokens), (pos // self.chunk + 1) * self.chunk)
+            need = -(-end // bs) - have
+            over_budget = end - pos > budget and not (allow_over and not out)
+            if over_budget or need > free:
+                break
+            out.append((pos, end))
+            budget -= end - pos
+            free -= max(0, need)
+            have += max(0, need)
+            pos = end
+        return out
+
+    def _prefill(self, seq: Sequence, budget: int, work: list[Work]) -> int:
+        """Schedule as many of seq's prefill chunks as fit; the remaining budget.
+
+        The step's first prefill chunk may overrun the budget, so decoding never starves it.
+        """
+        first = all(w.seq.decoding and w.end - w.start == 1 for w in work)
+        chunks = self._chunks(seq, budget, allow_over=first)
+        if chunks:
+            self._grow(seq, chunks[-1][1], None)
+        for start, end in chunks:
+            work.append(Work(seq, start, end))
+            budget -= end - start
+        return budget
+
+    def _grow(self, seq: Sequence, end: int, scheduled: set[int] | None) -> bool:
+        """Give seq the blocks for tokens [0, end), preempting the newest (decode) if needed."""
+        need = -(-end // self.pool.block_size) - len(seq.blocks)
+        while need > self.pool.available:
+            if scheduled is None:
+                return False
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        for _ in range(need):
+            seq.blocks.append(self.pool.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and put it at the head of the waiting queue, to be recomputed."""
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move the first waiting sequence to running if its first chunk fits the pool."""
+        hit: list[int] = []
+        if self.prefix_caching and not seq.blocks:
+            # The last token always runs: its logits give the next token.
+            full = (len(seq.tokens) - 1) // self.pool.block_size
+            hit = self.pool.lookup(self.keys(seq, full))
+            for block in hit:
+                self.pool.retain(block)
+            seq.blocks = list(hit)
+            seq.num_computed = len(hit) * self.pool.block_size
+            seq.registered = len(hit)
+        if not self._chunks(seq, self.budget, allow_over=True):
+            self.pool.release(seq.blocks)
+            seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+            return False
+        self.prefix_hits += seq.num_computed
+        self.waiting.popleft()
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.arrival)
+        return True
+
+    def keys(self, seq: Sequence, n_blocks: int) -> list[BlockKey]:
+        """Prefix-cache keys of seq's first n_blocks blocks (kept: tokens never change)."""
+        if len(seq.keys) < n_blocks:
+            seq.keys = block_keys(seq.tokens, self.pool.block_size, n_blocks)
+        return seq.keys[:n_blocks]
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """Record n more computed tokens of seq and register its newly full blocks."""
+        seq.num_computed += n
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.pool.block_size
+        if full > seq.registered:
+            for i, key in enumerate(self.keys(seq, full)[seq.registered :], seq.registered):
+                self.pool.register(seq.blocks[i], key)
+            seq.registered = full
