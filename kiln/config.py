@@ -293,11 +293,25 @@ def parse_value(text: str, tp: Any, key: str) -> Any:
     if optional and text.lower() in _NONE_WORDS:
         return None
     if _accepts_str(tp) and not (text.startswith('"') or text.startswith("'")):
+        if _non_str_arms(tp):  # e.g. int | Literal["auto"]: "8" is the number
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                return text
+            if isinstance(value, _non_str_arms(tp)) and not isinstance(value, bool):
+                return value
         return text
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         raise ConfigError(f"{key} = {text!r}: expected {type_name(tp)}") from None
+
+
+def _non_str_arms(tp: Any) -> tuple[type, ...]:
+    """The plain non-string types among a union's arms (int, float), if any."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return ()
+    return tuple(a for a in typing.get_args(tp) if a in (int, float))
 
 
 def _accepts_str(tp: Any) -> bool:

@@ -173,13 +173,22 @@ def merge_lora_tensors(tensors: dict[str, torch.Tensor], scaling: float) -> dict
     return out
 
 
-def load_checkpoint_model(path: Path, device: str | torch.device = "cpu") -> Transformer:
-    """A Transformer with the config and weights of checkpoint `path`, in eval mode (fp32)."""
+def load_checkpoint_model(
+    path: Path, device: str | torch.device = "cpu", weights_too: bool = True
+) -> Transformer:
+    """A Transformer with the config and weights of checkpoint `path`, in eval mode (fp32).
+
+    With `weights_too=False`, the model on the meta device: its config and shapes only (what
+    exporting a sharded checkpoint tensor by tensor needs).
+    """
     state = ckpt.read_state(path)
     try:
         cfg = ModelConfig.from_dict(dict(state["config"]["model"]))
     except (KeyError, TypeError) as exc:
         raise KilnError(f"{path}/state.json: no usable config.model ({exc})") from None
+    if not weights_too:
+        with torch.device("meta"):
+            return Transformer(cfg).eval()
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise KilnError(f"{weights}: missing (a checkpoint holds its weights in model.safetensors)")
@@ -262,6 +271,7 @@ def load_checkpoint(
     tokenizer: PathLike | None = None,
     device: str | torch.device = "cpu",
     need_tokenizer: bool = True,
+    weights_too: bool = True,
 ) -> LoadedCheckpoint:
     """The checkpoint a folder names (see `find_checkpoint`), its model and the run's tokenizer.
 
@@ -270,7 +280,7 @@ def load_checkpoint(
     """
     checkpoint = find_checkpoint(path, step)
     state = ckpt.read_state(checkpoint)
-    model = load_checkpoint_model(checkpoint, device=device)
+    model = load_checkpoint_model(checkpoint, device=device, weights_too=weights_too)
     if tokenizer is not None:
         tok_path, eot_token = _tokenizer_file(Path(tokenizer)), EOT
     else:

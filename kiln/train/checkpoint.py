@@ -54,6 +54,10 @@ STATE_VERSION = 1
 LATEST = "latest"
 # Written in this order; state.json last, so its presence (with the others) marks completeness.
 FILES = ("model.safetensors", "optimizer.pt", "state.json")
+# A sharded checkpoint (torch.distributed.checkpoint, see sharded_checkpoint.py): DCP's folder,
+# complete once its .metadata exists, and state.json, written after it.
+SHARDED_DIR = "dcp"
+SHARDED_FILES = (f"{SHARDED_DIR}/.metadata", "state.json")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 
@@ -136,7 +140,9 @@ def step_dir(checkpoints: Path, step: int) -> Path:
 
 def is_complete(path: Path) -> bool:
     """Whether checkpoint directory `path` holds every file of a checkpoint."""
-    return path.is_dir() and all((path / name).is_file() for name in FILES)
+    if not path.is_dir():
+        return False
+    return any(all((path / name).is_file() for name in files) for files in (FILES, SHARDED_FILES))
 
 
 def _step_dirs(checkpoints: Path) -> list[tuple[int, Path]]:
@@ -201,18 +207,16 @@ def save_checkpoint(
     state: TrainState,
     scheduler: dict[str, Any],
     keep_last: int,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the checkpoint of `state.step` atomically, point `latest` at it, prune old ones.
 
     `model` is the module or its `full_model_state`; `optimizer` the optimizer or its
     `full_optimizer_state` (what a sharded run's main process passes after gathering).
+    `extra_tensors` maps further file names to tensors saved beside the model (e.g. a value model).
     """
-    checkpoints.mkdir(parents=True, exist_ok=True)
     final = step_dir(checkpoints, state.step)
-    tmp = checkpoints / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = make_temp_dir(checkpoints, final, os.getpid())
     try:
         tensors = model if isinstance(model, dict) else unique_tensors(model)[0]
         save_file(tensors, str(tmp / "model.safetensors"))
@@ -220,8 +224,37 @@ def save_checkpoint(
         umask = os.umask(0)  # safetensors creates the file 0600; give it a plain open()'s mode
         os.umask(umask)
         os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
+        for name, extra in (extra_tensors or {}).items():
+            save_file(extra, str(tmp / name))
+            os.chmod(tmp / name, 0o666 & ~umask)
         optim_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         torch.save(optim_state, tmp / "optimizer.pt")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(checkpoints, tmp, final, state, scheduler, keep_last)
+
+
+def make_temp_dir(checkpoints: Path, final: Path, pid: int) -> Path:
+    """A fresh, hidden folder that becomes checkpoint `final` once everything is in it."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoints / f"{_TMP_PREFIX}{final.name}-{pid}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(
+    checkpoints: Path,
+    tmp: Path,
+    final: Path,
+    state: TrainState,
+    scheduler: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write state.json into `tmp` (last), rename it to `final`, point `latest` at it, prune."""
+    try:
         doc = {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
@@ -304,7 +337,7 @@ def clean_leftovers(checkpoints: Path) -> tuple[list[str], list[str]]:
         elif name.startswith("step_") and name[5:].isdigit() and entry.is_dir():
             if name == named or is_complete(entry):
                 continue
-            if (entry / "model.safetensors").exists():
+            if (entry / "model.safetensors").exists() or (entry / SHARDED_DIR).exists():
                 kept.append(name)
                 continue
             doomed = all(p.name in FILES and p.is_file() for p in entry.iterdir())

@@ -131,7 +131,12 @@ def run_export(args: argparse.Namespace) -> int:
     # killed export had moved aside is back in place first).
     remove_abandoned_exports(Path(args.hf))
     check_can_replace_dir(Path(args.hf), args.force, is_export_dir, EXPORT_KIND)
-    loaded = load_checkpoint(args.run, args.step, args.tokenizer)
+    from kiln.loading import find_checkpoint
+    from kiln.train.sharded_checkpoint import is_sharded_checkpoint
+
+    # A sharded checkpoint is converted tensor by tensor: the model is never loaded whole.
+    sharded = is_sharded_checkpoint(find_checkpoint(args.run, args.step))
+    loaded = load_checkpoint(args.run, args.step, args.tokenizer, weights_too=not sharded)
     source = ExportSource(
         model=loaded.model, tokenizer=loaded.tokenizer, tokenizer_path=loaded.tokenizer_path,
         eos_token=loaded.eot_token, run=loaded.run, checkpoint=loaded.path,
@@ -204,6 +209,10 @@ def train_and_report(
         f"{c.batch.micro_batch} × {c.data.seq_len} × {trainer.dist.world_size} rank(s); "
         f"{_length(c)}; run in {run_dir}"
     )
+    from kiln.scaling.preflight import check as memory_preflight
+
+    for line in memory_preflight(trainer):  # a run that would not fit stops here, with advice
+        say(f"kiln train: {line}")
     if args.resume:
         say(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
         for note in trainer.notes:

@@ -75,11 +75,15 @@ class BatchConfig:
     """Global batch in tokens per optimizer step; micro-batch in sequences per forward pass."""
 
     global_tokens: int = 16384
-    micro_batch: int = 8
+    # "auto" (CUDA only): the largest that fits, by a short probe (kiln/train/micro_batch.py)
+    micro_batch: int | Literal["auto"] = 8
 
     def __post_init__(self) -> None:
         _check(self.global_tokens >= 1, f"batch.global_tokens must be >= 1: {self.global_tokens}")
-        _check(self.micro_batch >= 1, f"batch.micro_batch must be >= 1: {self.micro_batch}")
+        _check(
+            self.micro_batch == "auto" or self.micro_batch >= 1,
+            f"batch.micro_batch must be >= 1 or 'auto': {self.micro_batch}",
+        )
 
 
 @dataclass
@@ -103,9 +107,12 @@ class TrainSection:
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # model initialisation and any sampling in training (dropout)
     skip_nonfinite: bool = False  # skip a step with a non-finite loss/gradient instead of stopping
+    memory_check: bool = True  # stop before the first step when the memory pre-flight says no
     # Data parallelism under torchrun: "ddp" (every rank holds the model), "fsdp" (FSDP2: each
-    # rank holds a shard), "auto" (ddp), "none" (one process only). Ignored with one process.
-    parallel: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    # rank holds a shard), "auto" (ddp; the [parallel] mesh when it asks for more than 1-D data
+    # parallelism), "mesh" (the [parallel] mesh even when it is 1-D: sharded checkpoints),
+    # "none" (one process only). Ignored with one process unless "mesh".
+    parallel: Literal["auto", "none", "ddp", "fsdp", "mesh"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.time_budget is None:
@@ -115,7 +122,7 @@ class TrainSection:
         if self.time_budget is not None:
             parse_duration(self.time_budget)  # a clear error now, not when training starts
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
-        modes = ("auto", "none", "ddp", "fsdp")
+        modes = ("auto", "none", "ddp", "fsdp", "mesh")
         _check(
             self.parallel in modes,
             f"train.parallel must be one of {', '.join(modes)}; got {self.parallel!r}",
@@ -125,6 +132,72 @@ class TrainSection:
     def budget_seconds(self) -> float | None:
         """`time_budget` in seconds, or None when the run is sized by max_steps alone."""
         return None if self.time_budget is None else parse_duration(self.time_budget)
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class ParallelConfig:
+    """The DeviceMesh: pp × dp_replicate × dp_shard × tp processes (see docs/distributed.md).
+
+    dp_shard = -1 takes whatever the world size leaves. Activation checkpointing recomputes
+    every `ac_every`-th block in backward ("full"), or none.
+    """
+
+    dp_replicate: int = 1  # HSDP: copies of the sharded model, gradients all-reduced between them
+    dp_shard: int = -1  # FSDP2 shards within one copy
+    tp: int = 1  # tensor parallelism: heads and MLP columns split (Megatron-style)
+    pp: int = 1  # pipeline ranks; micro-batches per step: global batch / (dp × micro_batch × T)
+    sequence_parallel: bool = True  # with tp > 1: norms and the residual stream split on T
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_stages_per_rank: int = 0  # 0: 2 for interleaved_1f1b, else 1
+    activation_checkpointing: Literal["none", "full"] = "none"
+    ac_every: int = 1  # with "full": recompute every k-th block (1: all)
+    async_checkpoint: bool = False  # sharded saves written in the background (DCP async_save)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "ac_every"):
+            value = getattr(self, name)
+            _check(value >= 1, f"parallel.{name} must be >= 1, got {value}")
+        _check(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            f"parallel.dp_shard must be >= 1 or -1 (the rest of the world size), got {self.dp_shard}",
+        )
+        _check(
+            self.pp_schedule in PP_SCHEDULES,
+            f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}; got {self.pp_schedule!r}",
+        )
+        _check(
+            self.activation_checkpointing in ("none", "full"),
+            "parallel.activation_checkpointing must be 'none' or 'full'; got "
+            f"{self.activation_checkpointing!r}",
+        )
+
+    @property
+    def multi_dim(self) -> bool:
+        """Whether it asks for more than 1-D data parallelism (tp, pp or HSDP)."""
+        return self.tp > 1 or self.pp > 1 or self.dp_replicate > 1
+
+    def shape(self, world_size: int) -> dict[str, int]:
+        """{"pp", "dp_replicate", "dp_shard", "tp"} for `world_size` processes, or a clear error."""
+        other = self.pp * self.dp_replicate * self.tp
+        shard = self.dp_shard
+        if shard == -1:
+            _check(
+                world_size % other == 0,
+                f"parallel: pp × dp_replicate × tp = {self.pp} × {self.dp_replicate} × {self.tp} "
+                f"= {other} does not divide WORLD_SIZE={world_size}",
+            )
+            shard = world_size // other
+        total = other * shard
+        _check(
+            total == world_size,
+            f"parallel: pp × dp_replicate × dp_shard × tp = {self.pp} × {self.dp_replicate} × "
+            f"{shard} × {self.tp} = {total} but WORLD_SIZE={world_size}; change the sizes or "
+            "the number of processes (dp_shard = -1 takes what the others leave)",
+        )
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": shard, "tp": self.tp}
 
 
 @dataclass
@@ -182,6 +255,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -104,10 +104,21 @@ def join_from_env(device: torch.device, dist: DistInfo) -> None:
 
 
 def parallel_mode(cfg: TrainConfig, dist: DistInfo) -> str:
-    """The data parallelism used: "none" on one process, else train.parallel ("auto": ddp)."""
+    """The parallelism used: "mesh" ([parallel], parallelize.py), else "none" on one process,
+    else train.parallel ("auto": ddp). The [parallel] sizes are checked against the world size.
+    """
+    mode = cfg.train.parallel
+    if cfg.parallel.multi_dim or mode == "mesh" or cfg.parallel.dp_shard != -1:
+        cfg.parallel.shape(dist.world_size)  # one clear error when the sizes do not multiply out
+    if cfg.parallel.multi_dim or mode == "mesh":
+        if mode in ("ddp", "none"):
+            raise KilnError(
+                f"[parallel] asks for tp, pp or dp_replicate > 1, which train.parallel = {mode!r} "
+                "cannot do; use 'auto' or 'mesh'"
+            )
+        return "mesh"
     if dist.world_size == 1:
         return "none"
-    mode = cfg.train.parallel
     if mode == "none":
         raise KilnError(
             f"train.parallel = 'none' with {dist.world_size} processes would train "
@@ -188,6 +199,15 @@ def sum_across_ranks(value: torch.Tensor, dist: DistInfo) -> torch.Tensor:
     out = value.detach().clone()
     tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
     return out
+
+
+def min_across_ranks(value: int, dist: DistInfo, device: torch.device) -> int:
+    """The smallest of every rank's `value` (e.g. the micro-batch all ranks can fit)."""
+    if dist.world_size == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def any_rank(flag: bool, dist: DistInfo, device: torch.device) -> bool:

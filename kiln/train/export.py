@@ -25,6 +25,9 @@ from kiln.model.transformer import Transformer
 from kiln.tokenizer.chat import chat_template_of
 from kiln.tokenizer.special import CHAT_TOKENS
 from kiln.tokenizer.tokenizer import Tokenizer
+from kiln.train.checkpoint import SHARDED_DIR
+from kiln.train.sharded_checkpoint import is_sharded_checkpoint
+from kiln.train.sharded_export import save_sharded_hf_dir
 
 EXPORT_KIND = "a kiln export (no kiln_export.json)"  # the only kind of folder --force replaces
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -118,7 +121,11 @@ def export_hf(source: ExportSource, out: str | Path, force: bool = False) -> Exp
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_hf_dir(model, tmp, eos_token_id=eos_id)
+        if is_sharded_checkpoint(source.checkpoint):
+            hf_cfg = {**config_to_hf(model.cfg), "bos_token_id": eos_id, "eos_token_id": eos_id}
+            save_sharded_hf_dir(model.cfg, source.checkpoint / SHARDED_DIR, tmp, hf_cfg)
+        else:
+            save_hf_dir(model, tmp, eos_token_id=eos_id)
         write_hf_tokenizer(tok, tmp, eos_token, model.cfg.block_size)
         write_json_atomic(
             tmp / "kiln_export.json",

@@ -16,7 +16,10 @@ checkpoint, so a resumed budgeted run ends at the same total budget.
 Parallelism is applied from outside the model (torchtitan style): `parallelize(model, cfg,
 dist)` returns the module to train (DDP/FSDP wrapping and compile go there; see distributed.py).
 The loop only asks the wrapped module to skip gradient synchronisation on the non-final
-micro-steps when it can (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`).
+micro-steps when it can (DDP's `no_sync()`, FSDP2's `set_requires_gradient_sync`). A
+[parallel] mesh run (tp, pp, HSDP; parallelize.py) reads its batch slice by data-parallel
+rank, sums losses and norms over the mesh's groups, runs a pipeline step in place of the
+micro-steps (pipeline.py) and saves sharded checkpoints (sharded_checkpoint.py).
 
 Under torchrun every rank runs this same loop on its slice of each global batch. The numbers a
 user sees are global: the logged loss is the mean over ranks, the gradient norm is that of the
@@ -52,6 +55,8 @@ from kiln.io import atomic_write
 from kiln.model import ModelConfig, Transformer
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
+from kiln.train import parallelize as mesh_ops
+from kiln.train import sharded_checkpoint as sharded
 from kiln.train.budget import TimeBudget, format_seconds
 from kiln.train.config import TrainConfig
 from kiln.train.distributed import DistInfo
@@ -78,7 +83,7 @@ def accumulation_steps(global_tokens: int, world_size: int, micro_batch: int, se
     if global_tokens % per_micro:
         lower = max(per_micro, global_tokens // per_micro * per_micro)
         raise KilnError(
-            f"batch.global_tokens ({global_tokens}) must be a multiple of world_size × "
+            f"batch.global_tokens ({global_tokens}) must be a multiple of data-parallel ranks × "
             f"batch.micro_batch × data.seq_len = {world_size} × {micro_batch} × {seq_len} = "
             f"{per_micro}; use e.g. {lower} or {lower + per_micro}"
         )
@@ -129,13 +134,24 @@ class Trainer:
         self.data = data if data is not None else TokenShards(cfg.data.dataset)
         self.model_cfg: ModelConfig = cfg.model_config(self.data.vocab_size)
         self.cfg = cfg.resolved(self.model_cfg)
-        self.accum = accumulation_steps(
-            cfg.batch.global_tokens, self.dist.world_size, cfg.batch.micro_batch, cfg.data.seq_len
-        )
         self.notes: list[str] = []  # what a resume changed, for the CLI to print
         check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
         self.sampler = self._build_sampler()  # bad sample prompts fail before the run dir exists
         saved = self._find_resume_point(resume)
+        # The [parallel] mesh (parallelize.py), or None for one process / 1-D DDP or FSDP.
+        self.mesh = self._build_mesh(saved)
+        self.data_rank, self.data_ranks = (
+            (self.mesh.dp_rank, self.mesh.dp_size)
+            if self.mesh is not None
+            else (self.dist.rank, self.dist.world_size)
+        )
+        auto_micro = cfg.batch.micro_batch == "auto"  # probed once the model is built
+        if auto_micro and self.mesh is not None and self.mesh.size("pp") > 1:
+            raise KilnError("batch.micro_batch = 'auto' is not supported with parallel.pp > 1")
+        self.accum = accumulation_steps(
+            cfg.batch.global_tokens, self.data_ranks, 1 if auto_micro else cfg.batch.micro_batch,
+            cfg.data.seq_len,
+        )  # fmt: skip
         self.precision = self._choose_precision(saved)
         if self.dist.is_main:  # what a killed run left: temp/trash folders, an unfinished prune
             # Held while this Trainer lives (the OS drops it if the process dies): a second
@@ -152,8 +168,22 @@ class Trainer:
             prepare_model(self.model)
         # torchtitan's order: parallelize (FSDP2 shards the parameters in place), then build the
         # optimizer over the parameters as they now are, then load a checkpoint into both.
-        self.train_model = parallelize(self.model, self.cfg, self.dist)
+        if self.mesh is not None:  # self.model: this rank's part (a pipeline stage's modules)
+            self.model, self.train_model = mesh_ops.parallelize_for_mesh(
+                self.model, self.cfg, self.mesh, self.accum
+            )
+            if self.mesh.size("pp") > 1:  # the accumulation steps become pipeline micro-batches
+                self.pipeline_microbatches, self.accum = self.accum, 1
+        else:
+            self.train_model = parallelize(self.model, self.cfg, self.dist)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        if auto_micro:  # the largest that fits, by a probe on the GPU
+            from kiln.train.micro_batch import resolve_auto
+
+            cfg = self.cfg = resolve_auto(self)
+            self.accum = accumulation_steps(
+                cfg.batch.global_tokens, self.data_ranks, cfg.batch.micro_batch, cfg.data.seq_len
+            )
         _seed_rank(cfg.train.seed, self.dist.rank)
         self.step, self.tokens, self.skipped = 0, 0, 0
         self.train_seconds = 0.0  # training time so far (eval, samples, checkpoints excluded)
@@ -161,7 +191,10 @@ class Trainer:
         cursor = LoaderCursor()
         if saved is not None:
             path, state = saved
-            ckpt.load_weights(path, self.model, self.optimizer, self.device)
+            if self.mesh is not None:
+                sharded.load(path, self.model, self.optimizer)
+            else:
+                ckpt.load_weights(path, self.model, self.optimizer, self.device)
             self.step, self.tokens = state["step"], state["tokens"]
             self.skipped = state.get("skipped_steps", 0)
             schedule = state["scheduler"]
@@ -190,8 +223,10 @@ class Trainer:
         self.max_steps: int = (
             self.cfg.train.max_steps if self.budget is None else self.budget.plan(self.step)
         )
-        B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.dist.world_size
-        self.loader = self.data.loader("train", T, W * B, cfg.data.seed, cursor, self.dist.rank, W)
+        B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.data_ranks
+        if self.mesh is not None and self.mesh.size("pp") > 1:
+            B *= self.pipeline_microbatches  # one pipeline step reads them all
+        self.loader = self.data.loader("train", T, W * B, cfg.data.seed, cursor, self.data_rank, W)
         self.val_batches = self._val_batches() if cfg.eval.batches > 0 else []
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.samples = MetricsLog(self.run_dir / "samples.jsonl")  # {"step", "prompt", "text"}
@@ -237,6 +272,20 @@ class Trainer:
         self.notes = ckpt.config_differences(saved, now)
         return latest, state
 
+    def _build_mesh(self, saved: tuple[Path, dict[str, Any]] | None) -> mesh_ops.Mesh | None:
+        """The [parallel] mesh when the run uses one (a sharded checkpoint needs one), else None."""
+        mode = distributed.parallel_mode(self.cfg, self.dist)
+        if saved is not None and sharded.is_sharded_checkpoint(saved[0]) and mode != "mesh":
+            raise KilnError(
+                f"{saved[0]} is a sharded checkpoint: resume it with train.parallel = 'mesh' "
+                "(on any mesh shape or number of processes)"
+            )
+        if mode != "mesh":
+            return None
+        mesh = mesh_ops.build_mesh(self.cfg, self.dist.world_size, self.device)
+        self.say(f"kiln train: {mesh.describe()}")
+        return mesh
+
     def _choose_precision(self, saved: tuple[Path, dict[str, Any]] | None) -> Precision:
         """train.dtype resolved for this device, said once; a resumed "auto" keeps its dtype.
 
@@ -276,9 +325,10 @@ class Trainer:
         ev = self.cfg.eval
         if not self.dist.is_main or ev.sample_tokens <= 0 or not ev.sample_prompts:
             return None
-        if distributed.parallel_mode(self.cfg, self.dist) == "fsdp":
+        mode = distributed.parallel_mode(self.cfg, self.dist)
+        if mode == "fsdp" or (mode == "mesh" and self.dist.world_size > 1):
             warnings.warn(
-                "eval samples skipped: not supported with train.parallel = 'fsdp' (sample from "
+                f"eval samples skipped: not supported with train.parallel = {mode!r} (sample from "
                 "a checkpoint instead, or set eval.sample_tokens = 0 to silence this)",
                 stacklevel=3,
             )
@@ -294,12 +344,12 @@ class Trainer:
         slice needs: every rank runs the same number of passes (FSDP gathers weights in each),
         and a pass with nothing left for this rank reuses a window with weight 0.
         """
-        T, B, W = self.cfg.data.seq_len, self.cfg.batch.micro_batch, self.dist.world_size
+        T, B, W = self.cfg.data.seq_len, self.cfg.batch.micro_batch, self.data_ranks
         size = min(B, self.data.val_rows(T))  # a small val split: smaller batches
         loader = self.data.loader("val", T, size, self.cfg.data.seed)
         batches = [loader.next_batch().to_torch() for _ in range(self.cfg.eval.batches)]
         x, y, *extra = (torch.cat(column) for column in zip(*batches, strict=True))  # (N, T)
-        mine = np.array_split(np.arange(len(x)), W)[self.dist.rank]
+        mine = np.array_split(np.arange(len(x)), W)[self.data_rank]
         passes = max(1, math.ceil(math.ceil(len(x) / W) / B))
         out = []
         for rows in np.array_split(mine, passes):
@@ -370,6 +420,8 @@ class Trainer:
         if self._stop_signal is not None and self.step < self.max_steps:
             result.interrupted, result.signal = True, self._stop_signal
             result.checkpoint = self.save()
+        if self.mesh is not None:
+            sharded.finish_pending(self.dist)  # an async save is published before run() returns
         result.step, result.tokens = self.step, self.tokens
         if self.budget is not None:
             trained = self.train_seconds - trained
@@ -440,17 +492,23 @@ class Trainer:
             x, y, *extra = self.loader.next_batch().to_torch(self.device)
             with self._grad_sync(micro == self.accum - 1), self._autocast():
                 loss = self.train_model(x, y, *extra)
-            (loss / self.accum).backward()
+            if loss.requires_grad:  # a pipeline step has run its own backward
+                (loss / self.accum).backward()
             total += loss.detach()
-        loss_value = distributed.mean_across_ranks(total / self.accum, self.dist).item()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        # clip_grad_norm_ in two steps: a sharded gradient's norm is a DTensor whose global
-        # value full_tensor() reduces over the ranks; clipping then scales every shard alike.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, norm)
+        if self.mesh is not None:  # sums and norms over the mesh's own groups
+            loss_value, norm = mesh_ops.loss_and_clip(
+                total / self.accum, params, cfg.train.grad_clip, self.mesh
+            )
+        else:
+            loss_value = distributed.mean_across_ranks(total / self.accum, self.dist).item()
+            # clip_grad_norm_ in two steps: a sharded gradient's norm is a DTensor whose global
+            # value full_tensor() reduces over the ranks; clipping then scales every shard alike.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, norm)
         grad_norm = float(norm)
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -503,6 +561,8 @@ class Trainer:
             with self._autocast():
                 total += self.model(x, y, *extra).float() * weight
         self.model.train()
+        if self.mesh is not None:
+            return mesh_ops.loss_ranks_sum(total, self.mesh) / self.val_windows
         return (distributed.sum_across_ranks(total, self.dist) / self.val_windows).item()
 
     def _maybe_eval(self, last: bool) -> dict[str, float]:
@@ -550,6 +610,14 @@ class Trainer:
         """Checkpoint the current step (once per step). Every rank takes part; rank 0 writes."""
         if self.step == self.last_saved:
             return ckpt.step_dir(self.checkpoints, self.step)
+        if self.mesh is not None:  # every rank writes its own shards (sharded_checkpoint.py)
+            path = sharded.save(
+                self.checkpoints, self.model, self.optimizer, self._train_state([]),
+                self._scheduler_state(), self.cfg.checkpoint.keep_last, self.dist,
+                self.cfg.parallel.async_checkpoint,
+            )  # fmt: skip
+            self.last_saved = self.step
+            return path
         # Collectives first, in the same order on every rank; then rank 0 writes alone.
         tensors = ckpt.full_model_state(self.model, self.dist.is_main)
         optim_state = ckpt.full_optimizer_state(self.optimizer)
@@ -566,7 +634,15 @@ class Trainer:
         self, tensors: dict[str, torch.Tensor], optim_state: dict[str, Any], rngs: list[Any]
     ) -> Path:
         """Write the gathered state as the checkpoint of this step (the main process only)."""
-        state = ckpt.TrainState(
+        state = self._train_state(rngs)
+        return ckpt.save_checkpoint(
+            self.checkpoints, tensors, optim_state, state, self._scheduler_state(),
+            self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    def _train_state(self, rngs: list[Any]) -> ckpt.TrainState:
+        """What state.json records of this step (`rngs`: every rank's RNG states, in order)."""
+        return ckpt.TrainState(
             step=self.step,
             tokens=self.tokens,
             cursor=self.loader.cursor.to_dict(),
@@ -576,18 +652,16 @@ class Trainer:
             rng={str(rank): rng for rank, rng in enumerate(rngs)},
             precision=self.precision.to_dict(),
         )
-        # The schedule as it stands: a budgeted run's plan and clock go on from here on resume.
-        scheduler = {
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        """The schedule as it stands: a budgeted run's plan and clock go on from here on resume."""
+        return {
             **cfgio.to_dict(self.cfg.schedule),
             "max_steps": self.max_steps,
             "train_seconds": self.train_seconds,
             "time_budget_s": self.budget.seconds if self.budget is not None else None,
             "max_steps_cap": self.budget.cap if self.budget is not None else None,
         }
-        return ckpt.save_checkpoint(
-            self.checkpoints, tensors, optim_state, state, scheduler,
-            self.cfg.checkpoint.keep_last,
-        )  # fmt: skip
 
     @contextlib.contextmanager
     def _signals_caught(self) -> Iterator[None]:

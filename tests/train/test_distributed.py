@@ -36,8 +36,8 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _torchrun(args: list[str], nproc: int = 2) -> None:
-    """Run `args` (a script or `-m module` and its arguments) in `nproc` local processes."""
+def _torchrun_command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment for `args` in `nproc` local processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the hostname's interface
@@ -47,6 +47,12 @@ def _torchrun(args: list[str], nproc: int = 2) -> None:
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--standalone", *args,
     ]  # fmt: skip
+    return cmd, env
+
+
+def _torchrun(args: list[str], nproc: int = 2) -> None:
+    """Run `args` (a script or `-m module` and its arguments) in `nproc` local processes."""
+    cmd, env = _torchrun_command(args, nproc)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     if done.returncode:
         pytest.fail(

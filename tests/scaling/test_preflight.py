@@ -1,0 +1,86 @@
+"""The memory pre-flight: per-rank predictions follow the mesh and checkpointing; a run that
+would not fit stops before its first step with what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import KilnError
+from kiln.model import ModelConfig
+from kiln.scaling import preflight
+from kiln.scaling.preflight import in_flight, rank_memory
+from kiln.train.config import TrainConfig, load_train_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _cfg(*sets: str) -> TrainConfig:
+    return load_train_config(CONFIGS / "tiny.toml", ["data.dataset=unused", *sets])
+
+
+def _shape(pp: int = 1, shard: int = 1, tp: int = 1) -> dict[str, int]:
+    return {"pp": pp, "dp_replicate": 1, "dp_shard": shard, "tp": tp}
+
+
+MODEL = ModelConfig.preset("llama-20m", vocab_size=8192)
+
+
+def test_sharding_divides_the_states_and_checkpointing_the_activations() -> None:
+    one = rank_memory(MODEL, _cfg(), _shape(), "fp32", 8)
+    fsdp = rank_memory(MODEL, _cfg(), _shape(shard=4), "fp32", 8)
+    assert fsdp.parameters == pytest.approx(one.parameters / 4, rel=1e-6)
+    assert fsdp.optimizer == pytest.approx(one.optimizer / 4, rel=1e-6)
+    assert fsdp.fsdp_gathered > 0 == one.fsdp_gathered
+    assert fsdp.activations == one.activations  # data parallelism does not split a micro-batch
+    tp = rank_memory(MODEL, _cfg(), _shape(tp=2), "fp32", 8)
+    assert one.parameters / 2 < tp.parameters < one.parameters  # embeddings stay whole
+    assert tp.activations < one.activations
+    ac = rank_memory(MODEL, _cfg("parallel.activation_checkpointing=full"), _shape(), "fp32", 8)
+    every2 = rank_memory(
+        MODEL, _cfg("parallel.activation_checkpointing=full", "parallel.ac_every=2"), _shape(),
+        "fp32", 8,
+    )  # fmt: skip
+    assert ac.activations < every2.activations < one.activations
+    assert rank_memory(MODEL, _cfg(), _shape(), "fp32", 16).activations > one.activations
+
+
+def test_pipeline_schedules_hold_different_numbers_of_micro_batches() -> None:
+    assert in_flight("gpipe", 4, 16) == 16
+    assert in_flight("1f1b", 4, 16) == 4
+    assert in_flight("1f1b", 1, 16) == 1
+    gpipe = rank_memory(MODEL, _cfg("parallel.pp_schedule=gpipe"), _shape(pp=2), "fp32", 1, 16)
+    one_f = rank_memory(MODEL, _cfg(), _shape(pp=2), "fp32", 1, 16)
+    assert gpipe.activations > one_f.activations
+    assert one_f.parameters < rank_memory(MODEL, _cfg(), _shape(), "fp32", 1).parameters
+
+
+class _Trainer:
+    """What `preflight.check` reads of a Trainer."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from kiln.devices import Precision
+        from kiln.train.distributed import DistInfo
+
+        self.cfg, self.model_cfg, self.mesh, self.dist = cfg, MODEL, None, DistInfo()
+        self.precision = Precision("fp32", "fp32", "asked for")
+        import torch
+
+        self.device = torch.device("cpu")
+
+
+def test_a_run_that_would_not_fit_stops_with_what_to_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**30, "a small device"))
+    lines = preflight.check(_Trainer(_cfg("batch.micro_batch=1")))
+    assert "predicted peak" in lines[0] and "of 1.00 GiB (a small device)" in lines[0]
+    with pytest.raises(
+        KilnError, match=r"would not fit \(activations is the largest part\); lower batch\.micro"
+    ):
+        preflight.check(_Trainer(_cfg("batch.micro_batch=256", "data.seq_len=64")))
+    monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**20, "a tiny device"))
+    with pytest.raises(KilnError, match="shard more"):
+        preflight.check(_Trainer(_cfg("batch.micro_batch=1")))
+    assert preflight.check(_Trainer(_cfg("batch.micro_batch=1", "train.memory_check=false")))
