@@ -181,14 +181,9 @@ def _add_sft_command(sub: Any) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     """Load the config, fine-tune (resuming if asked), write a LoRA run's adapter."""
     from kiln.posttrain.sft import build_trainer, load_sft_config, write_adapter
-    from kiln.train.cli import train_and_report
-    from kiln.train.config import default_run_dir
+    from kiln.train.cli import load_run_config, train_and_report
 
-    overrides = list(args.set)
-    if args.no_progress:
-        overrides.append("logging.progress=false")
-    cfg = load_sft_config(args.config, overrides)
-    run_dir = default_run_dir(cfg, args.config)
+    cfg, run_dir = load_run_config(args, load_sft_config)
 
     def after(trainer: Any, result: Any) -> None:
         written = write_adapter(trainer)

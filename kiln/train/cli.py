@@ -157,15 +157,22 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Load the config, then plot its schedule or train (resuming if asked)."""
-    from kiln.train.config import default_run_dir, load_train_config
+def load_run_config(args: argparse.Namespace, load: Any) -> tuple[Any, Path]:
+    """The config `load(path, overrides)` reads (--set, --no-progress applied), its run folder."""
+    from kiln.train.config import default_run_dir
 
     overrides = list(args.set)
     if args.no_progress:
         overrides.append("logging.progress=false")
-    cfg = load_train_config(args.config, overrides)
-    run_dir = default_run_dir(cfg, args.config)
+    cfg = load(args.config, overrides)
+    return cfg, default_run_dir(cfg, args.config)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Load the config, then plot its schedule or train (resuming if asked)."""
+    from kiln.train.config import load_train_config
+
+    cfg, run_dir = load_run_config(args, load_train_config)
     if args.plot_schedule:
         from kiln.errors import KilnError
         from kiln.train.schedule import plot_schedule
