@@ -19,6 +19,7 @@ manifest and checked by sha256. `kiln export` needs the checkpoint itself (state
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -155,6 +156,22 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
 
 # ---- kiln checkpoints ------------------------------------------------------------------------
 
+# A LoRA fine-tune (kiln.posttrain.lora) saves its frozen base under the base's names plus, per
+# adapted layer X, X.lora_A.weight (rank, in) and X.lora_B.weight (out, rank); its config's
+# [lora] section gives rank and alpha. Loading merges them: one model for eval, export, serving.
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def merge_lora_tensors(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A LoRA state dict with every adapter merged: X.weight + scaling · B·A (in fp32)."""
+    out = {k: v for k, v in tensors.items() if not k.endswith((LORA_A, LORA_B))}
+    for key, a in tensors.items():
+        if key.endswith(LORA_A):
+            layer = key.removesuffix(LORA_A)
+            w, b = out[f"{layer}.weight"], tensors[layer + LORA_B]
+            out[f"{layer}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return out
+
 
 def load_checkpoint_model(
     path: Path, device: str | torch.device = "cpu", weights_too: bool = True
@@ -179,7 +196,12 @@ def load_checkpoint_model(
     with torch.device("meta"):  # no random init of weights that are overwritten at once
         model = Transformer(cfg)
     model.to_empty(device=device)
-    ckpt.load_model_tensors(weights, model, device, "the config in state.json")
+    lora = state["config"].get("lora") or {}
+    merge = None
+    if lora.get("rank"):  # a LoRA fine-tune's checkpoint: the frozen base and the adapters
+        scaling = float(lora["alpha"]) / int(lora["rank"])
+        merge = functools.partial(merge_lora_tensors, scaling=scaling)
+    ckpt.load_model_tensors(weights, model, device, "the config in state.json", merge)
     model.init_rope()
     return model.eval()
 

@@ -134,13 +134,19 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
 
 
 def attention_mask(
-    q_slots: Tensor, n_keys: int, window: int | None, first_valid: Tensor | None
+    q_slots: Tensor,
+    n_keys: int,
+    window: int | None,
+    first_valid: Tensor | None,
+    segments: Tensor | None = None,
 ) -> Tensor:
     """Boolean mask (B or 1, 1, T, S): causal, within the window, and not a left-pad key.
 
     q_slots (T,) are the cache slots of the queries; first_valid (B,) is each row's first real
     slot (left padding before it). A padded query may still see itself, so no row is all-masked
     (an all-masked row would give NaN, which then leaks through 0·NaN into the real rows).
+    segments (B, S) numbers the documents packed into each row (S = T, no cache): a query sees
+    only keys of its own document.
     """
     k_slots = torch.arange(n_keys, device=q_slots.device)  # (S,)
     delta = q_slots[:, None] - k_slots[None, :]  # (T, S): how far back each key is
@@ -151,4 +157,16 @@ def attention_mask(
     if first_valid is not None:
         real_key = k_slots[None, :] >= first_valid[:, None]  # (B, S)
         mask = mask & (real_key[:, None, None, :] | (delta == 0)[None, None])  # (B, 1, T, S)
+    if segments is not None:
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])  # (B, 1, T, S)
     return mask
+
+
+def segment_positions(segments: Tensor) -> Tensor:
+    """Each token's position within its document (B, T), given runs of equal ids in segments."""
+    T = segments.size(1)
+    index = torch.arange(T, device=segments.device).expand_as(segments)  # (B, T)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.errors import KilnError
-from kiln.model.attention import attention_mask
+from kiln.model.attention import attention_mask, segment_positions
 from kiln.model.config import ModelConfig
 from kiln.model.layers import Block, make_norm
 from kiln.model.loss import lm_loss
@@ -90,10 +90,19 @@ class Transformer(nn.Module):
         return self
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, *, cache: AttentionCache | None = None
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        segments: Tensor | None = None,
+        *,
+        cache: AttentionCache | None = None,
     ) -> Tensor:
-        """Logits (B, T, vocab_size) for token ids idx (B, T), or the scalar loss given targets."""
-        h = self.hidden(idx, cache)  # (B, T, C)
+        """Logits (B, T, vocab_size) for token ids idx (B, T), or the scalar loss given targets.
+
+        `segments` (B, T) numbers the documents packed into each row (runs of equal ids): a
+        token attends only within its own document, whose positions start again at 0.
+        """
+        h = self.hidden(idx, cache, segments)  # (B, T, C)
         if targets is None:
             return self.logits(h)
         loss = lm_loss(
@@ -110,7 +119,9 @@ class Transformer(nn.Module):
             logits = c * torch.tanh(logits / c)
         return logits
 
-    def hidden(self, idx: Tensor, cache: AttentionCache | None = None) -> Tensor:
+    def hidden(
+        self, idx: Tensor, cache: AttentionCache | None = None, segments: Tensor | None = None
+    ) -> Tensor:
         """Final-norm hidden states (B, T, C); with a cache, idx continues the cached prefix."""
         T = idx.size(1)
         start = 0 if cache is None else cache.length
@@ -124,6 +135,10 @@ class Transformer(nn.Module):
         pos = slots if first_valid is None else (slots[None] - first_valid[:, None]).clamp(min=0)
         if given is not None:
             pos = given  # (B, T): each token's position in its own sequence (checked by the cache)
+        if segments is not None:
+            if cache is not None:
+                raise KilnError("packed segments are for training passes, not cached decoding")
+            pos = segment_positions(segments)  # (B, T)
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(pos)  # pos (T,) or (B, T)
@@ -133,12 +148,12 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos, self.rope_sin
             if (n := dynamic_rope_length(self.cfg, pos)) is not None:  # NTK: this length's freqs
                 cos, sin = rope_tables(self.cfg, idx.device, seq_len=n)
-            if first_valid is None and given is None:
+            if pos.dim() == 1:  # the same positions in every row
                 span = slice(start, start + T)
                 rope = (cos[span], sin[span])  # (T, D)
             else:
                 rope = (cos[pos][:, None], sin[pos][:, None])  # (B, 1, T, D)
-        masks = self._masks(slots, start + T, first_valid)
+        masks = self._masks(slots, start + T, first_valid, segments)
         for block in self.blocks:
             x = block(x, rope, masks, cache)
         if cache is not None:
@@ -146,15 +161,15 @@ class Transformer(nn.Module):
         return self.norm_f(x)  # (B, T, C)
 
     def _masks(
-        self, slots: Tensor, n_keys: int, first_valid: Tensor | None
+        self, slots: Tensor, n_keys: int, first_valid: Tensor | None, segments: Tensor | None
     ) -> dict[int | None, Tensor | None]:
         """An attention mask per distinct layer window; None where plain causal attention will do."""
         T = slots.numel()
-        plain_causal = first_valid is None and (n_keys == T or T == 1)
+        plain_causal = first_valid is None and segments is None and (n_keys == T or T == 1)
         windows = {block.attn.window for block in self.blocks}
         return {
             w: None
             if plain_causal and (w is None or n_keys <= w)
-            else attention_mask(slots, n_keys, w, first_valid)
+            else attention_mask(slots, n_keys, w, first_valid, segments)
             for w in windows
         }

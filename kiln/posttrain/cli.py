@@ -1,5 +1,5 @@
-"""`kiln posttrain add-chat-tokens|preferences`, `kiln data chat`, `kiln chat`, and the preference
-and RL commands `kiln dpo`, `kiln reward`, `kiln rl` (their runs: kiln/posttrain/align.py)."""
+"""`kiln posttrain add-chat-tokens|preferences`, `kiln data chat`, `kiln chat`, `kiln sft`, and
+the preference and RL commands `kiln dpo`, `kiln reward`, `kiln rl` (kiln/posttrain/align.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def register(sub: Any) -> None:
     _register_alignment(sub)
     _add_data_chat_command(command_group(sub, "data"))
     _add_chat_command(sub)
+    _add_sft_command(sub)
 
 
 def _add_chat_tokens_command(commands: Any) -> None:
@@ -150,6 +151,46 @@ def run_chat_command(args: argparse.Namespace) -> int:
     print("\n".join(loaded.precision.lines("kiln chat")), file=sys.stderr)
     print("/help for commands, Ctrl-C stops a reply, Ctrl-D leaves", file=sys.stderr)
     return run_chat(session, input)
+
+
+SFT_EXAMPLES = """examples:
+  kiln sft configs/sft.toml --set sft.base=runs/demo-chat --set data.train=data/chat/train.jsonl
+  kiln sft configs/sft.toml --set lora.rank=8 --set logging.run_dir=runs/sft-lora
+  kiln sft configs/sft.toml --resume           # continue from the run's latest checkpoint
+  kiln eval runs/sft --chat-tasks              # then score it (a LoRA run loads merged)"""
+
+
+def _add_sft_command(sub: Any) -> None:
+    """`kiln sft CONFIG.toml [--set k=v ...] [--resume]`: fine-tune a model on conversations."""
+    p = add_subcommand(
+        sub, "sft", "fine-tune a model on conversations (full or LoRA)", SFT_EXAMPLES
+    )
+    p.description = (
+        "Supervised fine-tuning: start from sft.base (a model with the chat tokens, e.g. from\n"
+        "`kiln posttrain add-chat-tokens`) and train on data.train's conversations, learning the\n"
+        "assistant replies only. lora.rank > 0 trains LoRA adapters with the base frozen and\n"
+        "writes RUN/adapter/ (PEFT's format). The run folder is a kiln run: config.toml (the\n"
+        "base and data recorded by sha256), metrics.jsonl, checkpoints/ (exact --resume)."
+    )
+    from kiln.train.cli import add_run_arguments
+
+    add_run_arguments(p, "SFT config (see configs/sft.toml)", "lora.rank=8")
+    p.set_defaults(handler=run_sft)
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    """Load the config, fine-tune (resuming if asked), write a LoRA run's adapter."""
+    from kiln.posttrain.sft import build_trainer, load_sft_config, write_adapter
+    from kiln.train.cli import load_run_config, train_and_report
+
+    cfg, run_dir = load_run_config(args, load_sft_config)
+
+    def after(trainer: Any, result: Any) -> None:
+        written = write_adapter(trainer)
+        if written is not None:
+            trainer.say(f"kiln sft: LoRA adapter of step {result.step:,} in {written} (PEFT)")
+
+    return train_and_report(cfg, run_dir, args, build=build_trainer, command="sft", after=after)
 
 
 # ---- preferences and RL ---------------------------------------------------------------------

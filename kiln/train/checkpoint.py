@@ -440,10 +440,17 @@ def read_optimizer(file: Path, device: str | torch.device = "cpu") -> dict[str, 
         raise KilnError(f"{file}: not a readable optimizer state ({type(exc).__name__})") from None
 
 
-def load_model_tensors(file: Path, model: nn.Module, device: Any, against: str) -> None:
-    """Load `file`'s tensors into `model` in place; a tied head stored once is not missing."""
+def load_model_tensors(
+    file: Path, model: nn.Module, device: Any, against: str, transform: Any = None
+) -> None:
+    """Load `file`'s tensors into `model` in place; a tied head stored once is not missing.
+
+    `transform` (tensors -> tensors), if given, rewrites them first (e.g. merges LoRA adapters).
+    """
     _, aliases = unique_tensors(model)
     tensors = read_tensors(file, device)
+    if transform is not None:
+        tensors = transform(tensors)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [name for name in missing if name not in aliases]
     if missing or unexpected:

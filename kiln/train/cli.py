@@ -41,26 +41,31 @@ def register(sub: Any) -> None:
         "The run directory gets config.toml (fully resolved), metrics.jsonl and checkpoints/;\n"
         "Ctrl-C or SIGTERM saves a checkpoint before exiting (continue with --resume)."
     )
-    p.add_argument("config", metavar="CONFIG.toml", help="run config (see configs/)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the run's latest checkpoint"
-    )
+    add_run_arguments(p, "run config (see configs/)", "optim.lr=3e-4")
     p.add_argument(
         "--plot-schedule",
         action="store_true",
         help="write the learning-rate schedule as a PNG in the run's report/ and exit",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_train)
     _register_export(sub)
     _register_plot(sub)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, config_help: str, example: str) -> None:
+    """CONFIG.toml, --set, --resume and --no-progress: what `kiln train` and `kiln sft` take."""
+    p.add_argument("config", metavar="CONFIG.toml", help=config_help)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run's latest checkpoint"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _register_export(sub: Any) -> None:
@@ -152,15 +157,22 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Load the config, then plot its schedule or train (resuming if asked)."""
-    from kiln.train.config import default_run_dir, load_train_config
+def load_run_config(args: argparse.Namespace, load: Any) -> tuple[Any, Path]:
+    """The config `load(path, overrides)` reads (--set, --no-progress applied), its run folder."""
+    from kiln.train.config import default_run_dir
 
     overrides = list(args.set)
     if args.no_progress:
         overrides.append("logging.progress=false")
-    cfg = load_train_config(args.config, overrides)
-    run_dir = default_run_dir(cfg, args.config)
+    cfg = load(args.config, overrides)
+    return cfg, default_run_dir(cfg, args.config)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Load the config, then plot its schedule or train (resuming if asked)."""
+    from kiln.train.config import load_train_config
+
+    cfg, run_dir = load_run_config(args, load_train_config)
     if args.plot_schedule:
         from kiln.errors import KilnError
         from kiln.train.schedule import plot_schedule
@@ -176,14 +188,25 @@ def run_train(args: argparse.Namespace) -> int:
         )
         print(f"kiln train: wrote the learning-rate schedule to {out}")
         return 0
-    return _train(cfg, run_dir, args)
+    return train_and_report(cfg, run_dir, args)
 
 
-def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
-    """Build the trainer, report the setup, train, report the outcome."""
+def train_and_report(
+    cfg: Any,
+    run_dir: Any,
+    args: argparse.Namespace,
+    build: Any = None,
+    command: str = "train",
+    after: Any = None,
+) -> int:
+    """Build the trainer, report the setup, train, report the outcome.
+
+    `kiln sft` comes through here too: `build(cfg, run_dir, resume)` makes its trainer, and
+    `after(trainer, result)` writes what it adds to the run (a LoRA adapter).
+    """
     from kiln.train.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir, resume=args.resume)
+    trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
     # Under torchrun every rank runs this; only the main one speaks.
     say = trainer.say
     m, c = trainer.model_cfg, trainer.cfg
@@ -204,8 +227,10 @@ def _train(cfg: Any, run_dir: Any, args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = trainer.run()
     elapsed = time.perf_counter() - start
+    if after is not None:
+        after(trainer, result)
     if result.interrupted:
-        again = shlex.join(["kiln", "train", args.config, *_set_args(args.set), "--resume"])
+        again = shlex.join(["kiln", command, args.config, *_set_args(args.set), "--resume"])
         say(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
         say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from kiln import config as cfgio
-from kiln.data import Dataset, Loader, LoaderCursor
+from kiln.data import LoaderCursor
 from kiln.devices import Precision, choose_precision, resolve_device
 from kiln.errors import KilnError
 from kiln.folders import lock_folder
@@ -66,6 +66,7 @@ from kiln.train.metrics import MetricsLog, device_peak_flops, mfu
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.samples import ContinuationSampler, format_sample
 from kiln.train.schedule import lr_multiplier
+from kiln.train.sources import TokenShards, TrainData
 
 
 class NonFiniteError(KilnError):
@@ -115,7 +116,13 @@ class Trainer:
         parallelize: Parallelize = distributed.parallelize,
         on_step: Callable[[Trainer, int, float], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        data: TrainData | None = None,
+        prepare_model: Callable[[Transformer], None] | None = None,
     ) -> None:
+        # `data`: the batches (default: cfg.data.dataset's token shards); `prepare_model` edits
+        # the freshly initialised model before it is wrapped and optimised (post-training loads
+        # its base weights and adds adapters there; only parameters that require grad are
+        # optimised).
         # No DistInfo given: torchrun's environment says (rank 0 of 1 without torchrun).
         self.dist = dist or DistInfo.from_env()
         self.run_dir = Path(run_dir)
@@ -125,8 +132,8 @@ class Trainer:
         self.say = print if self.dist.is_main else _silent
         self.device = resolve_device(cfg.train.device, self.dist.local_rank)
         distributed.join_from_env(self.device, self.dist)
-        self.dataset = Dataset.open(cfg.data.dataset)
-        self.model_cfg: ModelConfig = cfg.model_config(self.dataset.vocab_size)
+        self.data = data if data is not None else TokenShards(cfg.data.dataset)
+        self.model_cfg: ModelConfig = cfg.model_config(self.data.vocab_size)
         self.cfg = cfg.resolved(self.model_cfg)
         self.notes: list[str] = []  # what a resume changed, for the CLI to print
         check_backends(self.cfg)  # on every rank: a missing package fails everywhere, at once
@@ -158,6 +165,8 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg.train.seed)
         self.model = Transformer(self.model_cfg).to(self.device)
+        if prepare_model is not None:
+            prepare_model(self.model)
         # torchtitan's order: parallelize (FSDP2 shards the parameters in place), then build the
         # optimizer over the parameters as they now are, then load a checkpoint into both.
         if self.mesh is not None:  # self.model: this rank's part (a pipeline stage's modules)
@@ -218,9 +227,7 @@ class Trainer:
         B, T, W = cfg.batch.micro_batch, cfg.data.seq_len, self.data_ranks
         if self.mesh is not None and self.mesh.size("pp") > 1:
             B *= self.pipeline_microbatches  # one pipeline step reads them all
-        self.loader = Loader(
-            self.dataset, "train", T, W * B, cfg.data.seed, cursor, self.data_rank, W
-        )
+        self.loader = self.data.loader("train", T, W * B, cfg.data.seed, cursor, self.data_rank, W)
         self.val_batches = self._val_batches() if cfg.eval.batches > 0 else []
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.samples = MetricsLog(self.run_dir / "samples.jsonl")  # {"step", "prompt", "text"}
@@ -256,7 +263,7 @@ class Trainer:
             {"model": saved["model"], "data": {**saved["data"], "dataset": None},
              "dataset": state["dataset"]},
             {"model": now["model"], "data": {**now["data"], "dataset": None},
-             "dataset": ckpt.dataset_fingerprint(self.dataset.manifest)},
+             "dataset": self.data.fingerprint()},
         )  # fmt: skip
         if fixed:
             raise KilnError(
@@ -327,13 +334,10 @@ class Trainer:
                 stacklevel=3,
             )
             return None
-        return ContinuationSampler.for_dataset(
-            self.dataset, ev.sample_prompts, ev.sample_tokens, self.cfg.train.seed,
-            ev.allow_special,
-        )  # fmt: skip
+        return self.data.sampler(ev, self.cfg.train.seed)
 
-    def _val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """This rank's part of the fixed val set, as (inputs, targets, windows that count).
+    def _val_batches(self) -> list[tuple[Any, ...]]:
+        """This rank's part of the fixed val set, as (inputs, targets, windows that count, *extra).
 
         The val set is the first `eval.batches` batches of `micro_batch` windows of the val
         stream whatever the world size, so val losses compare across world sizes. Rank r takes
@@ -342,24 +346,18 @@ class Trainer:
         and a pass with nothing left for this rank reuses a window with weight 0.
         """
         T, B, W = self.cfg.data.seq_len, self.cfg.batch.micro_batch, self.data_ranks
-        split = self.dataset.split("val")  # a missing split is a clear KilnError
-        size = min(B, (split.n_tokens - 1) // T)  # a small val split: smaller batches
-        if size < 1:
-            raise KilnError(
-                f"{self.dataset.root}: the val split has {split.n_tokens} tokens, fewer than "
-                f"one window of {T}+1; use more val documents or set eval.batches = 0"
-            )
-        loader = Loader(self.dataset, "val", T, size, self.cfg.data.seed)
-        batches = [loader.next_batch() for _ in range(self.cfg.eval.batches)]
-        x = torch.from_numpy(np.concatenate([b.inputs for b in batches]))  # (N, T)
-        y = torch.from_numpy(np.concatenate([b.targets for b in batches]))  # (N, T)
+        size = min(B, self.data.val_rows(T))  # a small val split: smaller batches
+        loader = self.data.loader("val", T, size, self.cfg.data.seed)
+        batches = [loader.next_batch().to_torch() for _ in range(self.cfg.eval.batches)]
+        x, y, *extra = (torch.cat(column) for column in zip(*batches, strict=True))  # (N, T)
         mine = np.array_split(np.arange(len(x)), W)[self.data_rank]
         passes = max(1, math.ceil(math.ceil(len(x) / W) / B))
         out = []
         for rows in np.array_split(mine, passes):
             weight = len(rows)
             rows = rows if weight else np.array([0])  # nothing left: a pass that counts 0
-            out.append((x[rows].to(self.device), y[rows].to(self.device), weight))
+            x_rows, y_rows, *more = (t[rows].to(self.device) for t in (x, y, *extra))
+            out.append((x_rows, y_rows, weight, *more))
         self.val_windows = len(x)
         return out
 
@@ -492,9 +490,10 @@ class Trainer:
         lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, self.max_steps))
         total = torch.zeros((), device=self.device)
         for micro in range(self.accum):
-            x, y = self.loader.next_batch().to_torch(self.device)  # (B, T) each
+            # (B, T) each; post-training's packed rows add their segment ids
+            x, y, *extra = self.loader.next_batch().to_torch(self.device)
             with self._grad_sync(micro == self.accum - 1), self._autocast():
-                loss = self.train_model(x, y)
+                loss = self.train_model(x, y, *extra)
             if loss.requires_grad:  # a pipeline step has run its own backward
                 (loss / self.accum).backward()
             total += loss.detach()
@@ -571,9 +570,10 @@ class Trainer:
             return None
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        for x, y, weight in self.val_batches:  # every window has T targets: weigh by windows
+        # Every window has T targets: weigh by windows (post-training rows add segment ids).
+        for x, y, weight, *extra in self.val_batches:
             with self._autocast():
-                total += self.model(x, y).float() * weight
+                total += self.model(x, y, *extra).float() * weight
         self.model.train()
         if self.mesh is not None:
             return mesh_ops.loss_ranks_sum(total, self.mesh) / self.val_windows
@@ -661,7 +661,7 @@ class Trainer:
             tokens=self.tokens,
             cursor=self.loader.cursor.to_dict(),
             config=self.cfg.to_dict(),
-            dataset=ckpt.dataset_fingerprint(self.dataset.manifest),
+            dataset=self.data.fingerprint(),
             skipped_steps=self.skipped,
             rng={str(rank): rng for rank, rng in enumerate(rngs)},
             precision=self.precision.to_dict(),

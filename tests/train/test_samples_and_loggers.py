@@ -103,7 +103,7 @@ def test_allow_special_encodes_sample_prompts_with_the_control_token(
 ) -> None:
     cfg = make_config('eval.sample_prompts=["The end.<|endoftext|>One"]', "eval.allow_special=true")
     trainer = Trainer(cfg, cfg.logging.run_dir)
-    eot = trainer.dataset.manifest.tokenizer.eot_id
+    eot = trainer.data.dataset.manifest.tokenizer.eot_id
     assert trainer.sampler is not None and eot in trainer.sampler.encoded[0]
 
 
