@@ -33,6 +33,7 @@ from kiln.serve.stop import TextStream
 
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
+    from kiln.model.config import ModelConfig
     from kiln.tokenizer.tokenizer import Tokenizer
 
 
@@ -126,6 +127,24 @@ class _Request:
     cancelled: bool = False
 
 
+def check_servable(cfg: ModelConfig) -> None:
+    """Refuse, before any request, a model whose attention the paged cache cannot hold.
+
+    The block pool stores per-head keys and values of one width; MLA caches a latent instead,
+    and sink logits need kiln's own softmax, which the paged attention does not apply.
+    """
+    if cfg.mla is not None:
+        raise EngineConfigError(
+            "the engine's paged KV cache holds per-head keys and values; an MLA model (model.mla) "
+            "caches a latent instead: generate with kiln.model.generate (kiln sample does)"
+        )
+    if cfg.attn_sinks:
+        raise EngineConfigError(
+            "the engine's paged attention has no sink logits (model.attn_sinks): generate with "
+            "kiln.model.generate (kiln sample does) or kiln.model.streaming"
+        )
+
+
 class Engine:
     """Continuous batching over a paged KV cache for one model (see the module docstring)."""
 
@@ -136,7 +155,6 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         eot_id: int | None = None,
-        drafter: Any = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.model = model
@@ -144,12 +162,12 @@ class Engine:
         self.config = config or EngineConfig()
         self.eot_id = eot_id
         self.extra_stop_ids: frozenset[int] = frozenset()  # more end-of-sequence ids (HF configs)
-        self.drafter = drafter  # reserved for speculative decoding (kiln.serve.speculative)
         self._autocast = autocast or contextlib.nullcontext
         param = next(model.parameters())
         self.device = param.device
         cfg = model.cfg
         c = self.config
+        check_servable(cfg)
         per_block = block_bytes(cfg, c.block_size, param.dtype)
         if c.num_blocks is not None:
             num_blocks = c.num_blocks

@@ -71,3 +71,29 @@ def test_sample_errors_are_clear(hf_dir: Path, tmp_path: Path) -> None:
         run(["sample", str(hf_dir), "--prompt-ids", "a,b"])
     with pytest.raises(KilnError, match=r"no tokenizer\.json or vocab\.json"):
         run(["sample", str(hf_dir), "--prompt", "hello"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"mla": {"kv_rank": 16, "rope_dim": 8}}, {"attn_sinks": True}],
+    ids=["mla", "sinks"],
+)
+def test_a_model_the_engine_cannot_page_samples_through_generate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: dict
+) -> None:
+    from kiln.model import ModelConfig
+    from kiln.model.transformer import Transformer
+    from kiln.serve.engine import Engine, EngineConfigError
+    from kiln.train.checkpoint import TrainState, save_checkpoint
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny", vocab_size=64, block_size=32, **overrides))
+    with pytest.raises(EngineConfigError, match=r"model\.mla|model\.attn_sinks"):
+        Engine(model.eval(), None)
+    state = TrainState(step=1, tokens=0, cursor={}, config={"model": model.cfg.to_dict()},
+                       dataset={})  # fmt: skip
+    save_checkpoint(tmp_path / "checkpoints", model, {}, state, scheduler={}, keep_last=1)
+    assert run(["sample", str(tmp_path / "checkpoints" / "step_1"), "--prompt-ids", "5,6,7",
+                "--max-tokens", "6", "--temperature", "0", "--dtype", "fp32"]) == 0  # fmt: skip
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    assert printed == generate(model.eval(), [[5, 6, 7]], 6, temperature=0)[0]
