@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kiln.model.generate import generate
+from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
 from kiln.posttrain.logprobs import token_entropy, token_logprobs
+from kiln.serve.engine import Engine, EngineConfig
+from kiln.serve.sampling import SamplingParams
 
 # (prompt index, response ids) -> scalar reward; the task checks and reward models both fit it.
 RewardFn = Callable[[int, list[int]], float]
@@ -73,6 +75,39 @@ def policy_logprobs(
     return logp, token_entropy(logits) * mask
 
 
+def sample_responses(
+    policy: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eot_id: int | None,
+) -> list[list[int]]:
+    """One sampled response per prompt, on the inference engine; row i draws from seed + i.
+
+    A response that ended on the stop token keeps it, so the policy is credited for where it
+    stopped. Each row has its own generator and the batch is the same on a resumed run, so the
+    responses are a pure function of (weights, prompts, seed): the engine's batch-invariant
+    tiles are not needed and are off (they cost several times the decode time).
+    """
+    blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
+    engine = Engine(policy, None, EngineConfig(
+        num_blocks=blocks + len(prompts), max_num_seqs=len(prompts), prefix_caching=False,
+        batch_invariant=False,
+    ), eot_id=eot_id)  # fmt: skip
+    stops = () if eot_id is None else (eot_id,)
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                             stop_token_ids=stops, ignore_eos=True)
+              for i in range(len(prompts))]  # fmt: skip
+    out = []
+    for (done,) in engine.generate(prompts, params):
+        if done.finish_reason == "error":
+            raise KilnError(f"rollout sampling failed: {done.error}")
+        ended = done.finish_reason == "stop" and eot_id is not None
+        out.append([*done.token_ids, eot_id] if ended else list(done.token_ids))
+    return out
+
+
 @torch.no_grad()
 def sample_rollout(
     policy: Transformer,
@@ -89,13 +124,7 @@ def sample_rollout(
     """Sample one response per prompt row, reward it, and score it under both models."""
     was_training = policy.training
     policy.eval()
-    stops = [] if eot_id is None else [eot_id]
-    new = generate(
-        policy, prompts, max_new_tokens, temperature=temperature, seed=seed, stop_tokens=stops
-    )
-    # generate drops the stop token (a row shorter than max_new_tokens met it): keep it, so the
-    # policy is credited for where it stopped.
-    responses = [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
+    responses = sample_responses(policy, prompts, max_new_tokens, temperature, seed, eot_id)
     ids, mask = sequence_batch(prompts, responses)
     device = next(policy.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
