@@ -18,6 +18,8 @@ EXAMPLES = """examples:
   kiln eval runs/demo --tasks hellaswag,arc_easy --limit 200
   kiln eval exports/demo --tasks all --out results/demo.json
   kiln eval runs/demo --val data/stories --bpb data/valid.txt
+  kiln eval runs/demo --bpb book.txt.gz --context 128,256,512,1024 --rope-scaling none,yarn:4 \
+      --plot context.png                 # bpb by context length and position (extrapolation)
   kiln eval runs/demo --lm-eval-tasks my_task --lm-eval-include tasks/   # lm-eval-harness
   kiln eval runs/demo-sft --chat-tasks data/chat --limit 20   # instruction following + bpb
   kiln eval --list-tasks
@@ -60,6 +62,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sliding-window stride for --val/--bpb (default: the block size; smaller gives "
         "each token more context and costs block_size/stride times more)",
     )
+    p.add_argument(
+        "--context",
+        help="with --bpb: comma-separated context lengths; bpb by length and position bucket",
+    )
+    p.add_argument(
+        "--context-tokens", type=int, default=32768,
+        help="tokens of the --bpb text each --context length scores (default 32768)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rope-scaling",
+        help="with --context: comma-separated TYPE:FACTOR (linear, dynamic, yarn, llama3) or "
+        "none, one curve each, applied from the model's block size",
+    )
+    p.add_argument("--plot", type=Path, help="with --context: write the curves as this PNG")
     p.add_argument("--lm-eval-tasks", help="lm-evaluation-harness task names (needs kiln[eval])")
     p.add_argument("--lm-eval-include", help="directory of extra lm-eval task YAML files")
     p.add_argument(
@@ -105,6 +121,8 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     if args.limit is not None and args.limit < 1:
         raise KilnError(f"--limit must be >= 1, got {args.limit}")
+    if (args.context or args.rope_scaling or args.plot) and not (args.context and args.bpb):
+        raise KilnError("--context needs --bpb FILE; --rope-scaling and --plot need --context")
     if args.stride is not None and args.stride < 1:
         raise KilnError(
             f"--stride must be >= 1 (or left out for the block size), got {args.stride}"
@@ -179,7 +197,12 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     val = bpb = None
     if args.val:
         val = val_loss(scorer, args.val, args.val_split, args.val_tokens, args.stride)
-    if args.bpb:
+    context = None
+    if args.bpb and args.context:
+        from kiln.eval.context import run_context_curves
+
+        context = run_context_curves(loaded.model, loaded.tokenizer, args)
+    elif args.bpb:
         bpb = bits_per_byte(scorer, loaded.tokenizer, args.bpb, loaded.eot_id, args.stride)
     harness = None
     if args.lm_eval_tasks:
@@ -208,6 +231,9 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
 
         doc["chat_tasks"] = chat
         table = format_chat_table(chat) + ("\n" + table if table else "")
+    if context is not None:
+        doc["context"] = context[0]
+        table += ("\n" if table else "") + context[1]
     if harness is not None:
         table += ("\n" if table else "") + _harness_lines(harness)
     return doc, table

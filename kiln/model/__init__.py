@@ -2,12 +2,20 @@
 
 from typing import TYPE_CHECKING, Any
 
-from kiln.model.config import PRESETS, ModelConfig, ModelConfigError, RopeScaling
+from kiln.model.config import (
+    PRESETS,
+    MLAConfig,
+    ModelConfig,
+    ModelConfigError,
+    MoEConfig,
+    RopeScaling,
+)
 
 if TYPE_CHECKING:
     from kiln.model.transformer import Transformer
 
-__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "RopeScaling", "Transformer"]
+__all__ = ["PRESETS", "MLAConfig", "MoEConfig", "ModelConfig", "ModelConfigError", "RopeScaling"]
+__all__ += ["Transformer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,41 +20,80 @@ from torch import Tensor
 from kiln.errors import KilnError
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, backend: str) -> Tensor:
-    """Attention output (B, H, T, D) by the configured backend."""
-    if backend == "math":
-        return math_attention(q, k, v, mask)
-    if backend == "triton" and mask is None and q.size(2) == k.size(2):
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    backend: str,
+    *,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Attention output (B, H, T, Dv) by the configured backend.
+
+    scale defaults to 1/√D; sinks (H,) are per-head logits of a key with no value (gpt-oss), which
+    only the math path implements (SDPA has no such input).
+    """
+    if backend == "math" or sinks is not None:
+        return math_attention(q, k, v, mask, scale=scale, sinks=sinks)
+    if backend == "triton" and mask is None and q.size(2) == k.size(2) and scale is None:
         out = triton_attention(q, k, v)
         if out is not None:
             return out
-    return sdpa_attention(q, k, v, mask)
+    return sdpa_attention(q, k, v, mask, scale)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None
+) -> Tensor:
     """torch's fused scaled_dot_product_attention (flash / memory-efficient kernels when it can)."""
     T = q.size(2)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=k.size(1) != q.size(1)
-    )  # (B, H, T, D)
+        q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+        enable_gqa=k.size(1) != q.size(1),
+    )  # (B, H, T, Dv)  # fmt: skip
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def math_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """The textbook formula softmax(q·kᵀ/√D)·v, with the weights materialised."""
     groups = q.size(1) // v.size(1)
-    v = v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
-    return attention_weights(q, k, mask) @ v  # (B, H, T, D)
+    v = v.repeat_interleave(groups, dim=1)  # (B, H, S, Dv)
+    return attention_weights(q, k, mask, scale=scale, sinks=sinks) @ v  # (B, H, T, Dv)
 
 
-def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
-    """The weights softmax(q·kᵀ/√D) (B, H, T, S) of q (B, H, T, D) over k (B, H_kv, S, D)."""
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None,
+    *,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """The weights softmax(q·kᵀ/√D) (B, H, T, S) of q (B, H, T, D) over k (B, H_kv, S, D).
+
+    With sinks (H,), each head's softmax also spans one extra logit whose weight is dropped, so
+    a row may sum to less than one: the head can attend to "nothing".
+    """
     T, S = q.size(2), k.size(2)
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, S, D)
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, S)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return F.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, H, T, S)
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        return F.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, H, T, 1)
+    return F.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S].to(q.dtype)
 
 
 @functools.cache

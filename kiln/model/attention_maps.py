@@ -30,5 +30,6 @@ def attention_maps(model: Transformer, idx: Tensor) -> list[Tensor]:
     maps = []
     for attn, (x, rope, mask, *_) in inputs:
         q, k, _ = attn.heads(x, rope)  # type: ignore[operator]
-        maps.append(attention_weights(q, k, mask))  # type: ignore[arg-type]
+        scale, sinks = getattr(attn, "scale", None), attn.sinks  # MLA's scale; learned sinks
+        maps.append(attention_weights(q, k, mask, scale=scale, sinks=sinks))  # type: ignore[arg-type]
     return maps

@@ -23,27 +23,123 @@ class ModelConfigError(ConfigError):
 _require = functools.partial(require, error=ModelConfigError)
 
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling for context extension (HF rope_type "llama3")."""
+    """RoPE scaling for context extension, with HF's rope_type meanings (see kiln/model/rope.py).
+
+    linear: positions / factor. dynamic: NTK-aware base growth once a sequence is longer than
+    original_max_seq_len. yarn: per-frequency interpolation ramp (beta_fast..beta_slow) plus an
+    attention temperature. llama3: long wavelengths / factor, smoothed between the two bands.
+    """
 
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_seq_len: int = 8192
+    type: str = "llama3"
+    beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: rotations below which it is interpolated
+    mscale: float | None = None  # yarn: attention factor from mscale / mscale_all_dim...
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # ...unless given directly
 
     def __post_init__(self) -> None:
         """The interpolation divides by the factor and by high_freq_factor - low_freq_factor."""
-        _require(self.factor > 0, f"rope_scaling.factor must be > 0, got {self.factor}")
         _require(
-            0 < self.low_freq_factor < self.high_freq_factor,
-            "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-            f"{self.low_freq_factor} and {self.high_freq_factor}",
+            self.type in ROPE_TYPES,
+            f"rope_scaling.type must be one of {', '.join(ROPE_TYPES)}, got {self.type!r}",
         )
+        _require(self.factor > 0, f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.type == "llama3":
+            _require(
+                0 < self.low_freq_factor < self.high_freq_factor,
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}",
+            )
         _require(
             self.original_max_seq_len >= 1,
             f"rope_scaling.original_max_seq_len must be >= 1, got {self.original_max_seq_len}",
         )
+        _require(
+            self.beta_fast > self.beta_slow > 0,
+            f"rope_scaling needs beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}",
+        )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (kiln/model/moe.py): top-k routing over fine-grained experts."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    d_expert: int | None = None  # hidden width of one expert; None: the dense ff_size
+    n_shared: int = 0  # always-on shared experts (one MLP n_shared·d_expert wide), DeepSeek-style
+    score: str = "softmax"  # "softmax" over experts | "sigmoid" per expert (DeepSeek-V3)
+    norm_topk: bool = True  # renormalise the k chosen weights to sum to one
+    routed_scale: float = 1.0  # the routed experts' sum is scaled by this (DeepSeek's 2.5)
+    first_dense: int = 0  # the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    aux_loss: float = 0.0  # weight of the load-balancing loss E/(N·k)·Σ count_i·P_i
+    router_z_loss: float = 0.0  # weight of mean(logsumexp(router logits)²)
+    expert_bias: bool = False  # a routing bias used for the choice only (aux-loss-free balance)
+    bias_update_rate: float = 0.0  # after each step bias += rate·sign(mean load - load)
+    capacity_factor: float | None = None  # None: dropless; else each expert takes ≤ cf·N·k/E
+
+    def __post_init__(self) -> None:
+        """Reject settings that cannot route, naming the field."""
+        _require(self.n_experts >= 1, f"moe.n_experts must be >= 1, got {self.n_experts}")
+        _require(
+            1 <= self.top_k <= self.n_experts,
+            f"moe.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}",
+        )
+        _require(
+            self.d_expert is None or self.d_expert >= 1,
+            f"moe.d_expert must be >= 1, got {self.d_expert}",
+        )
+        _require(self.n_shared >= 0, f"moe.n_shared must be >= 0, got {self.n_shared}")
+        _require(
+            self.score in ("softmax", "sigmoid"),
+            f"moe.score must be 'softmax' or 'sigmoid', got {self.score!r}",
+        )
+        _require(self.first_dense >= 0, f"moe.first_dense must be >= 0, got {self.first_dense}")
+        for name in ("aux_loss", "router_z_loss", "bias_update_rate"):
+            _require(
+                getattr(self, name) >= 0, f"moe.{name} must be >= 0, got {getattr(self, name)}"
+            )
+        _require(
+            self.bias_update_rate == 0 or self.expert_bias,
+            "moe.bias_update_rate needs moe.expert_bias = true",
+        )
+        _require(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            f"moe.capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}",
+        )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, kiln/model/mla.py): keys and values from a
+    low-rank latent, plus one small RoPE key shared by the heads; the cache holds only those two.
+    """
+
+    kv_rank: int = 64  # width of the compressed KV latent (kv_lora_rank)
+    q_rank: int | None = None  # compress queries through this rank too (None: full-rank)
+    rope_dim: int = 16  # per-head width of the decoupled RoPE query/key (qk_rope_head_dim)
+    nope_dim: int | None = None  # per-head width of the position-free query/key; None: head_size
+    v_dim: int | None = None  # per-head width of values; None: head_size
+
+    def __post_init__(self) -> None:
+        """Every width positive, the RoPE part even."""
+        for name in ("kv_rank", "rope_dim"):
+            _require(
+                getattr(self, name) >= 1, f"mla.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        for name in ("q_rank", "nope_dim", "v_dim"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"mla.{name} must be >= 1, got {value}")
+        _require(self.rope_dim % 2 == 0, f"mla.rope_dim must be even, got {self.rope_dim}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +172,9 @@ class ModelConfig:
     attention_backend: str = "sdpa"  # "sdpa" | "math" (the textbook formula) | "triton"
     dropout: float = 0.0
     init_std: float = 0.02
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (None: dense)
+    mla: MLAConfig | None = None  # multi-head latent attention (None: GQA / MHA)
+    attn_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         """Reject configs that cannot build a model, naming the field and what was expected."""
@@ -134,6 +233,14 @@ class ModelConfig:
             f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r} "
             "(plain data goes through ModelConfig.from_dict)",
         )
+        if self.mla is not None:
+            _require(self.pos_emb == "rope", "mla needs pos_emb = 'rope' (its decoupled RoPE key)")
+            _require(not self.qk_norm, "mla and qk_norm cannot be combined (MLA norms its latents)")
+        if self.moe is not None:
+            _require(
+                self.moe.first_dense <= self.n_layer,
+                f"moe.first_dense ({self.moe.first_dense}) exceeds n_layer ({self.n_layer})",
+            )
 
     # ---- derived sizes -------------------------------------------------------------------------
 
@@ -162,6 +269,47 @@ class ModelConfig:
         hidden = int(2 * 4 * self.n_embd / 3)  # SwiGLU's 3 matrices cost what GELU's 2 do at 4x
         return -(-hidden // self.ff_multiple) * self.ff_multiple
 
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates per head: the decoupled RoPE part under MLA, else the whole head."""
+        return self.mla.rope_dim if self.mla is not None else self.head_size
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys (MLA: position-free part + RoPE part)."""
+        if self.mla is None:
+            return self.head_size
+        return (self.mla.nope_dim or self.head_size) + self.mla.rope_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Per-head width of values."""
+        return self.head_size if self.mla is None else self.mla.v_dim or self.head_size
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) one layer caches per token.
+
+        MLA caches its latent as the "key" and the shared RoPE key as the "value" of one head.
+        """
+        if self.mla is not None:
+            return 1, self.mla.kv_rank, self.mla.rope_dim
+        return self.kv_heads, self.head_size, self.head_size
+
+    def kv_cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """KV-cache bytes one token costs over all layers (bf16 by default)."""
+        heads, k_dim, v_dim = self.kv_cache_dims
+        return self.n_layer * heads * (k_dim + v_dim) * bytes_per_value
+
+    @property
+    def expert_size(self) -> int:
+        """Hidden width of one routed expert."""
+        return self.ff_size if self.moe is None or self.moe.d_expert is None else self.moe.d_expert
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts."""
+        return self.moe is not None and layer >= self.moe.first_dense
+
     def layer_window(self, layer: int) -> int | None:
         """Sliding-window size of one layer, or None when it attends to the whole prefix."""
         if self.sliding_window is None:
@@ -171,20 +319,24 @@ class ModelConfig:
 
     # ---- accounting ------------------------------------------------------------------------------
 
-    def param_breakdown(self) -> dict[str, int]:
+    def param_breakdown(self, active: bool = False) -> dict[str, int]:
         """Parameters of the module by component (PARAM_COMPONENTS); a tied head counts 0.
 
         The one parameter count: `num_params` is its sum, `kiln scaling account` prints it, and
-        `Transformer` checks it against the instantiated module.
+        `Transformer` checks it against the instantiated module. With `active`, a MoE layer
+        counts only the top_k routed experts a token uses (plus router and shared experts).
         """
         d, L = self.n_embd, self.n_layer
         norm_scale = 2 if self.norm == "layernorm" and self.bias else 1  # weight (+ bias)
         norms = 2 * norm_scale * d + (2 * norm_scale * self.head_size if self.qk_norm else 0)
+        if self.mla is not None:  # the latent RMSNorms (weight only)
+            norms += self.mla.kv_rank + (self.mla.q_rank or 0)
+        sinks = self.n_head if self.attn_sinks else 0
         return {
             "embeddings": self.padded_vocab_size * d
             + (self.block_size * d if self.pos_emb == "learned" else 0),
-            "attention": L * self._attention_params(self.bias),
-            "mlp": L * self._mlp_params(self.bias),
+            "attention": L * (self._attention_params(self.bias) + sinks),
+            "mlp": sum(self._layer_mlp_params(i, self.bias, active) for i in range(L)),
             "norms": L * norms + norm_scale * d,  # every block's two (+ q/k norms), the final one
             "head": 0 if self.tie_embeddings else self.padded_vocab_size * d,
         }
@@ -193,30 +345,65 @@ class ModelConfig:
         """Parameters of the module (a tied head counted once; padded vocab rows included)."""
         return sum(self.param_breakdown().values())
 
+    def num_active_params(self) -> int:
+        """Parameters one token uses: `num_params` less the routed experts it is not sent to."""
+        return sum(self.param_breakdown(active=True).values())
+
     def num_matmul_params(self) -> int:
-        """Weights used in a matrix multiply per token: every block's linear layers and the head."""
-        layer = self._attention_params(bias=False) + self._mlp_params(bias=False)
-        return self.n_layer * layer + self.padded_vocab_size * self.n_embd
+        """Weights used in a matrix multiply per token: every block's linear layers and the head.
+
+        For MoE layers these are the active ones: router, top_k routed experts, shared experts.
+        """
+        layers = sum(
+            self._attention_params(bias=False) + self._layer_mlp_params(i, False, active=True)
+            for i in range(self.n_layer)
+        )
+        return layers + self.padded_vocab_size * self.n_embd
 
     def _attention_params(self, bias: bool) -> int:
         """One block's QKV and output projections (with their biases if `bias`)."""
+        if self.mla is not None:
+            return self._mla_params(bias)
         d, q_out, kv_out = self.n_embd, self.n_head * self.head_size, self.kv_heads * self.head_size
         weights = d * (q_out + 2 * kv_out) + q_out * d
         return weights + (q_out + 2 * kv_out + d if bias else 0)
 
-    def _mlp_params(self, bias: bool) -> int:
+    def _mla_params(self, bias: bool) -> int:
+        """One MLA block's projections; biases (as DeepSeek's) on the down-projections and output."""
+        assert self.mla is not None
+        d, H, m = self.n_embd, self.n_head, self.mla
+        qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_head_dim - m.rope_dim
+        if m.q_rank is None:
+            q = d * H * qk
+        else:
+            q = d * m.q_rank + m.q_rank * H * qk + (m.q_rank if bias else 0)
+        kv = d * (m.kv_rank + m.rope_dim) + m.kv_rank * H * (nope + v)
+        out = H * v * d
+        return q + kv + out + ((m.kv_rank + m.rope_dim + d) if bias else 0)
+
+    def _mlp_params(self, bias: bool, ff: int | None = None) -> int:
         """One block's MLP: fused gate+up (SwiGLU) or fc, then proj (with their biases if `bias`)."""
-        d, ff = self.n_embd, self.ff_size
+        d, ff = self.n_embd, ff or self.ff_size
         n_in = 2 if self.mlp == "swiglu" else 1
         return (n_in + 1) * d * ff + (n_in * ff + d if bias else 0)
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token: 6·N_matmul + 12·L·H·head_dim·T.
+    def _layer_mlp_params(self, layer: int, bias: bool, active: bool = False) -> int:
+        """One layer's MLP: dense, or router + routed experts (all, or top_k) + shared experts."""
+        if self.moe is None or not self.is_moe_layer(layer):
+            return self._mlp_params(bias)
+        m, d, fe = self.moe, self.n_embd, self.expert_size
+        expert = (3 if self.mlp == "swiglu" else 2) * d * fe  # experts have no biases
+        shared = self._mlp_params(bias, m.n_shared * fe) if m.n_shared else 0
+        return d * m.n_experts + (m.top_k if active else m.n_experts) * expert + shared
 
-        The attention term counts the full T×T score matrix (the PaLM / nanoGPT convention, no
-        causal or window discount), so MFU figures compare across implementations.
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token: 6·N_matmul + 6·L·H·(d_qk + d_v)·T.
+
+        N_matmul counts active weights only (MoE). The attention term counts the full T×T score
+        matrix (the PaLM / nanoGPT convention, no causal or window discount), so MFU figures
+        compare across implementations; with d_qk = d_v = head_dim it is 12·L·H·head_dim·T.
         """
-        attn = 12 * self.n_layer * self.n_head * self.head_size * seq_len
+        attn = 6 * self.n_layer * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
         return 6 * self.num_matmul_params() + attn
 
     # ---- plain data (kiln/config.py's typed reader and writer, like every config section) --------
@@ -267,5 +454,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": {**_LLAMA, "n_layer": 16, "n_head": 32, "n_kv_head": 8, "n_embd": 2048,
                  "d_ff": 8192, "vocab_size": 128256, "norm_eps": 1e-5, "block_size": 131072,
                  "rope_scaling": {"factor": 32.0, "original_max_seq_len": 8192}},
+    # llama-20m with 8 experts of half its MLP width, top-2: the same active parameters.
+    "moe-20m": {**_LLAMA, "n_layer": 6, "n_head": 6, "n_kv_head": 2, "n_embd": 384,
+                "moe": {"n_experts": 8, "top_k": 2, "d_expert": 512, "aux_loss": 0.01}},
+    # llama-20m with multi-head latent attention: 160 cached numbers per token and layer, not 256.
+    "mla-20m": {**_LLAMA, "n_layer": 6, "n_head": 6, "n_embd": 384,
+                "mla": {"kv_rank": 128, "rope_dim": 32}},
 }  # fmt: skip
 # "llama-1b" is Llama-3.2-1B's shape (1,235,814,400 parameters), so HF checkpoints map onto it.

@@ -1,4 +1,5 @@
-"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM to and from kiln's Transformer.
+"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM to and from kiln's Transformer
+(and Mixtral, Qwen3-MoE and DeepSeek-V3, whose extra fields and tensors are in hf_families.py).
 
 Directories are read and written without `transformers` (config.json + safetensors), so a kiln
 install can load HF checkpoints; `from_hf` / `to_hf` convert live `transformers` objects. kiln
@@ -9,6 +10,7 @@ layout, so no permutation is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,14 @@ from torch import Tensor
 
 from kiln.errors import KilnError
 from kiln.model.config import ModelConfig, RopeScaling
+from kiln.model.hf_families import (
+    FAMILIES,
+    family_config_to_hf,
+    family_fields_from_hf,
+    family_of,
+    layer_from_hf,
+    layer_to_hf,
+)
 from kiln.model.transformer import Transformer
 
 # kiln fields with no HF counterpart. The whole kiln config is kept in config.json under "kiln"
@@ -26,8 +36,9 @@ _KILN_ONLY = ("vocab_multiple", "z_loss", "attention_backend", "dropout", "init_
 
 
 def from_hf(hf_model: Any) -> Transformer:
-    """A kiln Transformer with the weights of a `transformers` GPT-2 or Llama causal LM."""
-    return _build(config_from_hf(hf_model.config.to_dict()), dict(hf_model.state_dict()))
+    """A kiln Transformer with the weights of a `transformers` causal LM of a supported family."""
+    hf_cfg = hf_model.config.to_dict()
+    return _build(config_from_hf(hf_cfg), dict(hf_model.state_dict()), "cpu", _interleaved(hf_cfg))
 
 
 def to_hf(model: Transformer) -> Any:
@@ -58,7 +69,7 @@ def load_hf_dir(path: str | Path, device: torch.device | str = "cpu") -> Transfo
         raise KilnError(f"{config_file}: not a JSON model config ({exc})") from None
     if not isinstance(hf_config, dict):
         raise KilnError(f"{config_file}: expected a JSON object, got {type(hf_config).__name__}")
-    return _build(config_from_hf(hf_config), _read_weights(path), device)
+    return _build(config_from_hf(hf_config), _read_weights(path), device, _interleaved(hf_config))
 
 
 def save_hf_dir(model: Transformer, path: str | Path, eos_token_id: int | None = None) -> None:
@@ -85,8 +96,16 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         cfg = _gpt2_config(hf)
     elif model_type == "llama":
         cfg = _llama_config(hf)
+    elif model_type in FAMILIES:  # Llama plus experts / latent attention (hf_families.py)
+        cfg = _llama_config(hf)
+        if cfg.bias:
+            raise KilnError(f"HF {model_type} with attention_bias is not supported")
+        cfg = dataclasses.replace(cfg, **family_fields_from_hf(hf, model_type))
     else:
-        raise KilnError(f"unsupported HF model_type {model_type!r}; kiln reads 'gpt2' and 'llama'")
+        raise KilnError(
+            f"unsupported HF model_type {model_type!r}; kiln reads 'gpt2', 'llama', "
+            f"{', '.join(repr(f) for f in FAMILIES)}"
+        )
     saved = hf.get("kiln") or {}
     try:
         kiln_cfg = ModelConfig.from_dict(saved) if saved else None
@@ -141,22 +160,12 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
         )
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=rope["factor"],
-            low_freq_factor=rope["low_freq_factor"],
-            high_freq_factor=rope["high_freq_factor"],
-            original_max_seq_len=rope["original_max_position_embeddings"],
-        )
-    elif rope_type != "default":
-        raise KilnError(f"RoPE type {rope_type!r} is not supported (kiln has default and llama3)")
+    scaling, block_size = _rope_scaling_from_hf(rope, hf["max_position_embeddings"])
     n_head = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     return ModelConfig(
         vocab_size=hf["vocab_size"],
-        block_size=hf["max_position_embeddings"],
+        block_size=block_size,
         n_layer=hf["num_hidden_layers"],
         n_head=n_head,
         n_kv_head=hf.get("num_key_value_heads") or n_head,
@@ -174,12 +183,80 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _rope_scaling_from_hf(
+    rope: dict[str, Any], max_positions: int
+) -> tuple[RopeScaling | None, int]:
+    """kiln's RopeScaling and block_size for HF rope parameters (rope_type's HF meaning).
+
+    HF's dynamic NTK treats max_position_embeddings as the original length and has no limit
+    beyond it; kiln's block_size for it is that length times the factor.
+    """
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None, max_positions
+    if rope_type not in ("linear", "dynamic", "yarn", "llama3"):
+        raise KilnError(
+            f"RoPE type {rope_type!r} is not supported (kiln has default, linear, dynamic, "
+            "yarn and llama3)"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("truncate", True) is not True:
+        raise KilnError("RoPE partial_rotary_factor / truncate = false are not supported")
+    factor = float(rope["factor"])
+    fields: dict[str, Any] = {"type": rope_type, "factor": factor}
+    block_size = max_positions
+    if rope_type == "llama3":
+        fields.update(
+            low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
+            original_max_seq_len=rope["original_max_position_embeddings"],
+        )  # fmt: skip
+    elif rope_type == "dynamic":
+        fields["original_max_seq_len"] = max_positions
+        block_size = int(max_positions * max(factor, 1.0))
+    elif rope_type == "yarn":
+        fields["original_max_seq_len"] = rope["original_max_position_embeddings"]
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key):
+                fields[key] = float(rope[key])
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if rope.get(key) is not None:
+                fields[key] = float(rope[key])
+    else:  # linear: the original length plays no part
+        fields["original_max_seq_len"] = max_positions
+    return RopeScaling(**fields), block_size
+
+
+def _rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
+    """HF rope_parameters and max_position_embeddings for a kiln config."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s is None:
+        return rope, cfg.block_size
+    rope.update(rope_type=s.type, factor=s.factor)
+    if s.type == "llama3":
+        rope.update(
+            low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_seq_len,
+        )  # fmt: skip
+    elif s.type == "yarn":
+        rope.update(
+            original_max_position_embeddings=s.original_max_seq_len, beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+        )  # fmt: skip
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(s, key) is not None:
+                rope[key] = getattr(s, key)
+    elif s.type == "dynamic":
+        return rope, s.original_max_seq_len
+    return rope, cfg.block_size
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """An HF config dict for the family the config belongs to; a clear error if it fits neither."""
     unsupported = [
         name
         for name, on in (
-            ("qk_norm", cfg.qk_norm),
+            ("qk_norm", cfg.qk_norm and family_of(cfg) != "qwen3_moe"),
+            ("attn_sinks", cfg.attn_sinks),
             ("logit_softcap", cfg.logit_softcap is not None),
             ("sliding_window", cfg.sliding_window is not None),
         )
@@ -213,21 +290,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "kiln": kiln_only,
         }
     if llama_like:
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling is not None:
-            s = cfg.rope_scaling
-            rope.update(
-                rope_type="llama3",
-                factor=s.factor,
-                low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_seq_len,
-            )
-        return {
+        rope, max_positions = _rope_to_hf(cfg)
+        out = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "vocab_size": cfg.vocab_size,
-            "max_position_embeddings": cfg.block_size,
+            "max_position_embeddings": max_positions,
             "hidden_size": cfg.n_embd,
             "intermediate_size": cfg.ff_size,
             "num_hidden_layers": cfg.n_layer,
@@ -244,6 +312,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "tie_word_embeddings": cfg.tie_embeddings,
             "kiln": kiln_only,
         }
+        family = family_of(cfg)
+        if family is not None:  # Mixtral / Qwen3-MoE / DeepSeek-V3: Llama's fields and these
+            arch = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
+            out.update(model_type=family, architectures=[f"{arch[family]}ForCausalLM"])
+            out.update(family_config_to_hf(cfg, family))
+        return out
     raise KilnError(
         "config matches neither HF GPT-2 (learned positions, LayerNorm with bias, GELU, "
         "multi-head) nor Llama (RoPE, RMSNorm, SwiGLU)"
@@ -279,15 +353,18 @@ def state_dict_to_hf(model: Transformer) -> dict[str, Tensor]:
             k, h = f"blocks.{i}.", f"model.layers.{i}."
             out[h + "input_layernorm.weight"] = sd[k + "norm1.weight"]
             out[h + "post_attention_layernorm.weight"] = sd[k + "norm2.weight"]
+            out.update(layer_to_hf(cfg, sd, i))  # MLA, experts, q/k norms (hf_families.py)
             for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                q, kk, v = sd[f"{k}attn.qkv.{kind}"].split([q_out, kv_out, kv_out])
-                out[f"{h}self_attn.q_proj.{kind}"] = q
-                out[f"{h}self_attn.k_proj.{kind}"] = kk
-                out[f"{h}self_attn.v_proj.{kind}"] = v
-                out[f"{h}self_attn.o_proj.{kind}"] = sd[f"{k}attn.proj.{kind}"]
-                gate, up = sd[f"{k}mlp.fc.{kind}"].chunk(2)
-                out[f"{h}mlp.gate_proj.{kind}"], out[f"{h}mlp.up_proj.{kind}"] = gate, up
-                out[f"{h}mlp.down_proj.{kind}"] = sd[f"{k}mlp.proj.{kind}"]
+                if cfg.mla is None:
+                    q, kk, v = sd[f"{k}attn.qkv.{kind}"].split([q_out, kv_out, kv_out])
+                    out[f"{h}self_attn.q_proj.{kind}"] = q
+                    out[f"{h}self_attn.k_proj.{kind}"] = kk
+                    out[f"{h}self_attn.v_proj.{kind}"] = v
+                    out[f"{h}self_attn.o_proj.{kind}"] = sd[f"{k}attn.proj.{kind}"]
+                if not cfg.is_moe_layer(i):
+                    gate, up = sd[f"{k}mlp.fc.{kind}"].chunk(2)
+                    out[f"{h}mlp.gate_proj.{kind}"], out[f"{h}mlp.up_proj.{kind}"] = gate, up
+                    out[f"{h}mlp.down_proj.{kind}"] = sd[f"{k}mlp.proj.{kind}"]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"][:V]
     return {k: v.contiguous() for k, v in out.items()}
@@ -309,8 +386,13 @@ _GPT2_LAYER = (
 )
 
 
-def state_dict_from_hf(cfg: ModelConfig, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-    """HF weights under kiln names (fused, GPT-2's transposed back, vocab padded with zeros)."""
+def state_dict_from_hf(
+    cfg: ModelConfig, hf: dict[str, Tensor], rope_interleave: bool = False
+) -> dict[str, Tensor]:
+    """HF weights under kiln names (fused, GPT-2's transposed back, vocab padded with zeros).
+
+    rope_interleave: DeepSeek's interleaved RoPE rows, permuted to kiln's split halves.
+    """
     hf = {k.removeprefix("module."): v for k, v in hf.items()}
     out: dict[str, Tensor] = {}
     if cfg.pos_emb == "learned":
@@ -329,13 +411,16 @@ def state_dict_from_hf(cfg: ModelConfig, hf: dict[str, Tensor]) -> dict[str, Ten
             k, h = f"blocks.{i}.", f"model.layers.{i}."
             out[k + "norm1.weight"] = _take(hf, h + "input_layernorm.weight")
             out[k + "norm2.weight"] = _take(hf, h + "post_attention_layernorm.weight")
+            out.update(layer_from_hf(cfg, hf, i, rope_interleave))  # MLA, experts, q/k norms
             for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                qkv = [_take(hf, f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
-                out[f"{k}attn.qkv.{kind}"] = torch.cat(qkv)
-                out[f"{k}attn.proj.{kind}"] = _take(hf, f"{h}self_attn.o_proj.{kind}")
-                gate_up = [_take(hf, f"{h}mlp.{p}_proj.{kind}") for p in ("gate", "up")]
-                out[f"{k}mlp.fc.{kind}"] = torch.cat(gate_up)
-                out[f"{k}mlp.proj.{kind}"] = _take(hf, f"{h}mlp.down_proj.{kind}")
+                if cfg.mla is None:
+                    qkv = [_take(hf, f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
+                    out[f"{k}attn.qkv.{kind}"] = torch.cat(qkv)
+                    out[f"{k}attn.proj.{kind}"] = _take(hf, f"{h}self_attn.o_proj.{kind}")
+                if not cfg.is_moe_layer(i):
+                    gate_up = [_take(hf, f"{h}mlp.{p}_proj.{kind}") for p in ("gate", "up")]
+                    out[f"{k}mlp.fc.{kind}"] = torch.cat(gate_up)
+                    out[f"{k}mlp.proj.{kind}"] = _take(hf, f"{h}mlp.down_proj.{kind}")
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["wte.weight"]
     else:
@@ -353,11 +438,19 @@ def _take(hf: dict[str, Tensor], name: str) -> Tensor:
     return hf[name]
 
 
+def _interleaved(hf: dict[str, Any]) -> bool:
+    """Whether an HF config lays RoPE out in interleaved pairs (DeepSeek's default)."""
+    return hf.get("model_type") == "deepseek_v3" and bool(hf.get("rope_interleave", True))
+
+
 def _build(
-    cfg: ModelConfig, hf_state: dict[str, Tensor], device: torch.device | str = "cpu"
+    cfg: ModelConfig,
+    hf_state: dict[str, Tensor],
+    device: torch.device | str = "cpu",
+    rope_interleave: bool = False,
 ) -> Transformer:
     """A Transformer holding the converted weights, without spending time on random init."""
-    state = state_dict_from_hf(cfg, hf_state)
+    state = state_dict_from_hf(cfg, hf_state, rope_interleave)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)

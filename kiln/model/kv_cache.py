@@ -58,9 +58,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         first_valid: Tensor | None = None,
     ) -> None:
-        shape = (batch_size, cfg.kv_heads, max_len, cfg.head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        heads, k_dim, v_dim = cfg.kv_cache_dims  # MLA: its latent and RoPE key, one "head"
+        k_shape, v_shape = (batch_size, heads, max_len, k_dim), (batch_size, heads, max_len, v_dim)
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.max_len = max_len
         self.length = 0  # slots filled so far (the same for every row)
         self.first_valid = first_valid  # (B,) first real slot of each row, or None: no padding

@@ -10,6 +10,10 @@ from torch import Tensor, nn
 
 from kiln.model.attention import attend
 from kiln.model.config import ModelConfig
+from kiln.model.rope import apply_rope, rope_inv_freq, rope_tables
+
+__all__ = ["MLP", "Block", "CausalSelfAttention", "RMSNorm", "make_norm"]
+__all__ += ["apply_rope", "rope_inv_freq", "rope_tables"]  # moved to rope.py; still importable
 
 if TYPE_CHECKING:
     from kiln.model.kv_cache import AttentionCache
@@ -35,42 +39,6 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Rotary frequencies θ^(-2i/D) (D/2,), with Llama-3 scaling of the long wavelengths if set."""
-    hd = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    # Wavelengths shorter than high_freq_wavelen are kept, longer than low_freq_wavelen divided by
-    # the factor, and those in between interpolated smoothly (Llama 3.1, as HF's "llama3").
-    wavelen = 2 * torch.pi / inv_freq
-    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
-    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin (block_size, D) for every position, in the split-half layout."""
-    inv_freq = rope_inv_freq(cfg).to(device)
-    freqs = torch.arange(cfg.block_size, device=device).float()[:, None] * inv_freq  # (P, D/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (P, D): both halves rotate by the same angle
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) of x (B, H, T, D) by the angles in cos, sin (T or B,1,T; D)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # (B, H, T, D)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with a fused QKV projection; grouped-query when n_kv_head < n_head."""
 
@@ -86,6 +54,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.sinks = nn.Parameter(torch.zeros(self.n_head)) if cfg.attn_sinks else None
 
     def forward(
         self,
@@ -102,7 +71,7 @@ class CausalSelfAttention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
-            y = attend(q, k, v, mask, self.backend)  # (B, H, T, D)
+            y = attend(q, k, v, mask, self.backend, sinks=self.sinks)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
         return self.drop(self.proj(y))
 
@@ -124,12 +93,13 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """Position-wise feed-forward: GELU (tanh) or SwiGLU, gate and up projections fused."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ff_size: int | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
         n_in = 2 if self.swiglu else 1
-        self.fc = nn.Linear(cfg.n_embd, n_in * cfg.ff_size, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.ff_size, cfg.n_embd, bias=cfg.bias)
+        ff_size = ff_size or cfg.ff_size
+        self.fc = nn.Linear(cfg.n_embd, n_in * ff_size, bias=cfg.bias)
+        self.proj = nn.Linear(ff_size, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -148,10 +118,13 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        from kiln.model.mla import LatentAttention
+        from kiln.model.moe import MoE
+
         self.norm1 = make_norm(cfg, cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg, layer)
+        self.attn = LatentAttention(cfg, layer) if cfg.mla else CausalSelfAttention(cfg, layer)
         self.norm2 = make_norm(cfg, cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(
         self,

@@ -15,8 +15,10 @@ from torch import Tensor, nn
 from kiln.errors import KilnError
 from kiln.model.attention import attention_mask
 from kiln.model.config import ModelConfig
-from kiln.model.layers import Block, make_norm, rope_tables
+from kiln.model.layers import Block, make_norm
 from kiln.model.loss import lm_loss
+from kiln.model.moe import moe_aux_loss
+from kiln.model.rope import dynamic_rope_length, rope_tables
 
 if TYPE_CHECKING:
     from kiln.model.kv_cache import AttentionCache
@@ -56,7 +58,7 @@ class Transformer(nn.Module):
         """
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1 and name.endswith("bias"):
+            if p.dim() == 1 and name.endswith(("bias", "sinks")):
                 nn.init.zeros_(p)
             elif p.dim() == 1:  # norm scales
                 nn.init.ones_(p)
@@ -64,6 +66,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # MoE balancing biases start neutral
+                buffer.zero_()
         self.wte.weight[self.cfg.vocab_size :].zero_()
         if not self.cfg.tie_embeddings:
             self.lm_head.weight[self.cfg.vocab_size :].zero_()
@@ -91,10 +96,11 @@ class Transformer(nn.Module):
         h = self.hidden(idx, cache)  # (B, T, C)
         if targets is None:
             return self.logits(h)
-        return lm_loss(
+        loss = lm_loss(
             h, self.lm_head.weight, targets, self.cfg.vocab_size, self.cfg.logit_softcap,
             self.cfg.z_loss,
         )  # fmt: skip
+        return loss + moe_aux_loss(self) if self.cfg.moe is not None and self.training else loss
 
     def logits(self, h: Tensor) -> Tensor:
         """Head over final hidden states (..., C) -> logits (..., vocab_size), soft-capped if set."""
@@ -124,11 +130,14 @@ class Transformer(nn.Module):
         x = self.drop(x)
         rope = None
         if self.cfg.pos_emb == "rope":
+            cos, sin = self.rope_cos, self.rope_sin
+            if (n := dynamic_rope_length(self.cfg, pos)) is not None:  # NTK: this length's freqs
+                cos, sin = rope_tables(self.cfg, idx.device, seq_len=n)
             if first_valid is None and given is None:
                 span = slice(start, start + T)
-                rope = (self.rope_cos[span], self.rope_sin[span])  # (T, D)
+                rope = (cos[span], sin[span])  # (T, D)
             else:
-                rope = (self.rope_cos[pos][:, None], self.rope_sin[pos][:, None])  # (B, 1, T, D)
+                rope = (cos[pos][:, None], sin[pos][:, None])  # (B, 1, T, D)
         masks = self._masks(slots, start + T, first_valid)
         for block in self.blocks:
             x = block(x, rope, masks, cache)

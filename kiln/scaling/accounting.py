@@ -84,8 +84,10 @@ def flop_count(cfg: ModelConfig, seq_len: int, causal: bool = False) -> FlopCoun
     if seq_len < 1:
         raise KilnError(f"seq_len must be >= 1, got {seq_len}")
     keys = mean_keys_per_query(cfg, seq_len, causal)
-    attn = 4 * cfg.n_layer * cfg.n_head * cfg.head_size * keys
-    return FlopCount(seq_len, causal, 2 * cfg.num_matmul_params(), attn, 6 * cfg.num_params())
+    attn = 2 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * keys
+    return FlopCount(
+        seq_len, causal, 2 * cfg.num_matmul_params(), attn, 6 * cfg.num_active_params()
+    )
 
 
 # ---- memory ------------------------------------------------------------------------------------

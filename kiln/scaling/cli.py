@@ -194,6 +194,7 @@ def account_report(cfg: Any, seq_len: int, micro_batch: int) -> dict[str, Any]:
             "total": cfg.num_params(),
             "non_embedding": non_embedding_params(cfg),
             "matmul": cfg.num_matmul_params(),
+            "active": cfg.num_active_params(),  # MoE: the experts one token uses
         },
         "seq_len": seq_len,
         "micro_batch": micro_batch,
@@ -227,6 +228,8 @@ def run_account(args: argparse.Namespace) -> int:
         value = report["params"][name]
         print(f"  {name:<14}{value:>16,}  {100 * value / total:5.1f}%")
     print(f"  {'non-embedding':<14}{report['params']['non_embedding']:>16,}")
+    if cfg.moe is not None:
+        print(f"  {'active/token':<14}{report['params']['active']:>16,}")
     f = report["flops_per_token"]
     print(f"\nFLOPs per token at T = {seq_len} (2 per multiply-add; attention over full T×T)")
     for label, key in (("forward: matmuls", "forward_matmul"),

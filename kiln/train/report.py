@@ -115,6 +115,26 @@ def _step_figure(records: list[dict], key: str, ylabel: str, title: str, log: bo
     return fig
 
 
+def _expert_load_figure(records: list[dict]) -> Any:
+    """MoE: each layer's busiest and idlest expert (share × n_experts; 1 = balanced) by step."""
+    fig, ax = pyplot().subplots(figsize=(7, 3.2), dpi=120)
+    layers = sorted({k.split(".")[1] for r in records for k in r if k.endswith(".load_max")})
+    for layer in layers:
+        for stat, style in (("load_max", "-"), ("load_min", "--")):
+            points = _series(records, "step", f"moe.{layer}.{stat}")
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True), style, linewidth=1.0, label=f"{layer} {stat[5:]}"
+                )
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert load (1 = balanced)")
+    ax.set_title("kiln: MoE expert load per layer (max solid, min dashed)")
+    ax.legend(fontsize=6, ncol=4)
+    ax.grid(alpha=0.3)
+    return fig
+
+
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> Path:
     """Train and validation loss against tokens seen, as a PNG (needs matplotlib)."""
     records = read_metrics(metrics_path)
@@ -170,6 +190,8 @@ def plot_run(run_dir: str | Path) -> RunReport:
         pngs.append(
             save_png(_step_figure(records, key, ylabel, title, log), report / f"{stem}.png")
         )
+    if any("moe.dead_experts" in r for r in records):
+        pngs.append(save_png(_expert_load_figure(records), report / "expert_load.png"))
     schedule = report / "lr_schedule.png"  # from `kiln train --plot-schedule`, when there is one
     shown = [*pngs, schedule] if schedule.is_file() else pngs
     page = report / "index.html"

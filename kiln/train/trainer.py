@@ -53,6 +53,7 @@ from kiln.errors import KilnError
 from kiln.folders import lock_folder
 from kiln.io import atomic_write
 from kiln.model import ModelConfig, Transformer
+from kiln.model.moe import balance_experts
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
 from kiln.train import parallelize as mesh_ops
@@ -407,6 +408,7 @@ class Trainer:
                         "mfu": mfu(tps, self.flops_per_token, self.peak, self.dist.world_size),
                         "skipped_steps": self.skipped, "train_s": self.train_seconds,
                         "max_steps": self.max_steps, **run_info, **record,
+                        **getattr(self, "expert_stats", {}),
                     }  # fmt: skip
                     window_tokens, window_time = 0, 0.0
                     run_info = {}
@@ -518,9 +520,21 @@ class Trainer:
         else:
             raise NonFiniteError(self._nonfinite_message(loss_value, grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
+        self._balance_experts()
         self.step += 1
         self.tokens += cfg.batch.global_tokens
         return loss_value, grad_norm, lr
+
+    def _balance_experts(self) -> None:
+        """MoE: move the balancing biases, keep this step's expert loads for the metrics record."""
+        self.expert_stats = balance_experts(
+            self.model, lambda t: distributed.sum_across_ranks(t, self.dist)
+        )
+        dead = self.expert_stats.get("moe.dead_experts", 0)
+        if dead and not getattr(self, "_warned_dead", False):
+            self._warned_dead = True  # once per run: the load keeps appearing in metrics.jsonl
+            self._tell(f"warning: {dead:.0f} expert(s) got no tokens at step {self.step + 1} "
+                       "(dead experts; see moe.L*.load_min in metrics.jsonl)")  # fmt: skip
 
     def _nonfinite_message(self, loss: float, grad_norm: float) -> str:
         """Why the run stopped and where to go on from."""

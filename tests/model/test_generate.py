@@ -22,6 +22,13 @@ FAMILIES = {
         n_kv_head=1, sliding_window=4, window_pattern="LG", qk_norm=True, logit_softcap=5.0
     ),
     "padded-vocab": gpt2_small(vocab_multiple=128, tie_embeddings=False),
+    "moe-shared-sigmoid": llama_small(
+        moe={"n_experts": 4, "top_k": 2, "d_expert": 16, "n_shared": 1, "score": "sigmoid"}
+    ),
+    "mla-qrank-window": llama_small(
+        mla={"kv_rank": 16, "q_rank": 24, "rope_dim": 8}, sliding_window=4, window_pattern="LG"
+    ),
+    "attn-sinks": llama_small(attn_sinks=True),
 }
 
 

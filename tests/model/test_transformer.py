@@ -243,10 +243,15 @@ def test_attention_maps_are_causal_distributions() -> None:
             assert torch.all(w.tril(diagonal=-3).sum((-1, -2)) > 0)
 
 
-def test_attention_maps_are_the_weights_the_forward_pass_uses() -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [llama_small(), llama_small(attn_sinks=True), llama_small(mla={"kv_rank": 16, "rope_dim": 8})],
+    ids=["gqa", "sinks", "mla"],
+)
+def test_attention_maps_are_the_weights_the_forward_pass_uses(cfg: ModelConfig) -> None:
     # The maps are recomputed from each layer's inputs: weights · v through the output projection
     # must give exactly what the (SDPA) layer returned in the forward pass.
-    model = build(llama_small())
+    model = build(cfg)
     idx = torch.randint(0, 300, (2, 10))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     attn = model.blocks[1].attn
@@ -255,7 +260,7 @@ def test_attention_maps_are_the_weights_the_forward_pass_uses() -> None:
     handle.remove()
     (x, out), weights = seen[0], maps[1]
     _, _, v = attn.heads(x, (model.rope_cos[:10], model.rope_sin[:10]))
-    v = v.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)  # (B, H, T, D)
+    v = v.repeat_interleave(weights.size(1) // v.size(1), dim=1)  # (B, H, T, D)
     y = (weights @ v).transpose(1, 2).reshape(2, 10, -1)
     torch.testing.assert_close(attn.proj(y), out, rtol=1e-5, atol=1e-5)
     assert not model.blocks[0].attn._forward_pre_hooks  # the hooks are gone afterwards
