@@ -31,5 +31,6 @@ def attention_maps(model: Transformer, idx: Tensor) -> list[Tensor]:
     for attn, (x, rope, mask, *_) in inputs:
         q, k, _ = attn.heads(x, rope)  # type: ignore[operator]
         scale, sinks = getattr(attn, "scale", None), attn.sinks  # MLA's scale; learned sinks
-        maps.append(attention_weights(q, k, mask, scale=scale, sinks=sinks))  # type: ignore[arg-type]
+        softcap = getattr(attn, "softcap", None)
+        maps.append(attention_weights(q, k, mask, scale=scale, sinks=sinks, softcap=softcap))  # type: ignore[arg-type]
     return maps
