@@ -23,6 +23,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.posttrain.cli",
     "kiln.eval.cli",
     "kiln.scaling.cli",
+    "kiln.serve.cli",
     "kiln.demo",
 ]
 

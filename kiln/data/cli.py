@@ -17,7 +17,8 @@ _EXAMPLES = {
   kiln data run configs/pipeline_sample.toml
   kiln data run web.toml --out data/web --workers 16 --set dedup.near.bands=20
   kiln data run web.toml --executor ray --address auto     # on a Ray cluster
-  kiln data run web.toml --force          # the config changed: rebuild (old output kept until done)""",
+  kiln data run web.toml --force          # the config changed: rebuild (old output kept until done)
+  kiln data run web.toml --memory-mb 512  # smaller dedup partitions (same output)""",
     "tokenize": """examples:
   kiln data tokenize --tokenizer tok.json stories.txt.gz --out data/stories
   kiln data tokenize --tokenizer tok.json web/*.jsonl.zst --text-field text --out data/web \\
@@ -25,7 +26,8 @@ _EXAMPLES = {
     "inspect": """examples:
   kiln data inspect data/stories
   kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify
-  kiln data inspect data/web --token 123456789   # which document, source, and removed neighbours""",
+  kiln data inspect data/web --token 123456789   # its document's history, removed neighbours
+  kiln data inspect data/web --doc web:crawl/part-0001.jsonl:417   # the same, by document id""",
 }
 
 
@@ -68,6 +70,14 @@ def _add_run(commands: Any) -> None:
         action="store_true",
         help="rebuild although the output (or an unfinished run) has another config",
     )
+    p.add_argument(
+        "--memory-mb",
+        type=int,
+        default=2048,
+        metavar="MB",
+        help="memory per process for the dedup global pass: sets its number of partitions "
+        "(the output does not depend on it; default 2048)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=run_pipeline_cmd)
 
@@ -80,6 +90,8 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise KilnError(f"--workers must be >= 1, got {args.workers}")
+    if args.memory_mb < 1:
+        raise KilnError(f"--memory-mb must be >= 1, got {args.memory_mb}")
     cfg = load_pipeline_config(args.config, tuple(args.set))
     opts = RunOptions(
         out=args.out or "",
@@ -88,6 +100,7 @@ def run_pipeline_cmd(args: argparse.Namespace) -> int:
         address=args.address,
         force=args.force,
         progress=not args.quiet,
+        memory_mb=args.memory_mb,
     )
     with sigterm_as_interrupt():  # a killed run stops its workers; the next run resumes
         manifest = run_pipeline(cfg, opts)
@@ -187,7 +200,13 @@ def _add_inspect(commands: Any) -> None:
         "--tokenizer", metavar="TOK.json", help="tokenizer to decode with (default: the manifest's)"
     )
     p.add_argument("--split", default="train", help="split of the sample document (default train)")
-    p.add_argument("--doc", type=int, default=0, metavar="N", help="sample document index")
+    p.add_argument(
+        "--doc",
+        default="0",
+        metavar="N|ID",
+        help="the document to show: an index in --split, or a document id (datasets made by "
+        "`kiln data run`: prints its history; prefix `id:` for an id made of digits)",
+    )
     p.add_argument("--max-chars", type=int, default=600, help="show at most this much of it")
     p.add_argument(
         "--verify",
@@ -200,8 +219,9 @@ def _add_inspect(commands: Any) -> None:
         "--token",
         type=int,
         metavar="POS",
-        help="show the document holding token POS of --split, its source, input place and the "
-        "removed documents around it (datasets made by `kiln data run`)",
+        help="show the document holding token POS of --split with its history (source record, "
+        "changes, merged duplicates) and the removed documents near it in the input (datasets "
+        "made by `kiln data run`)",
     )
     p.set_defaults(handler=run_inspect)
 
@@ -245,6 +265,19 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         print(explain_token(ds, args.split, args.token))
         return 0
+    doc = args.doc.removeprefix("id:")
+    if doc.isdigit() and not args.doc.startswith("id:"):
+        from kiln.data.pipeline.audit import explain_index
+
+        args.doc = int(doc)
+        history = explain_index(ds, args.split, args.doc)
+        if history is not None:  # a dataset made by `kiln data run`
+            print(history)
+    else:
+        from kiln.data.pipeline.audit import explain_document, find_document
+
+        print(explain_document(ds.root, doc))
+        args.split, _, _, args.doc = find_document(ds.root, doc)
     _print_sample(ds, args)
     return 0
 

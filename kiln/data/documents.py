@@ -8,8 +8,9 @@ so nothing is dropped or altered silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,17 +42,21 @@ class TextSpan(NamedTuple):
     inline: int  # separator text inside the document, kept as ordinary text
 
 
-def iter_text_documents(path: str, separator: bytes) -> Iterator[TextSpan]:
+def iter_text_documents(
+    path: str, separator: bytes, lines: Iterable[bytes] | None = None
+) -> Iterator[TextSpan]:
     """Yield each span between separator lines of a (possibly compressed) text file.
 
     A separator is a line holding only the separator (surrounding whitespace allowed); the
-    separator anywhere else is ordinary text of the document, counted in `inline`.
+    separator anywhere else is ordinary text of the document, counted in `inline`. With
+    `lines`, the file's lines come from there (say, from a checkpoint part-way in; offsets are
+    then counted from its first line) instead of opening `path`.
     """
     if not separator.strip() or b"\n" in separator:
         raise KilnError(f"{path}: the document separator must be one non-blank line of text")
     doc, start, offset, inline = bytearray(), 0, 0, 0
     longest = len(separator) + 64  # a separator line with some surrounding whitespace
-    with open_binary(path) as handle:
+    with open_binary(path) if lines is None else contextlib.nullcontext(lines) as handle:
         for line in handle:
             offset += len(line)
             if len(line) <= longest and line.strip() == separator:

@@ -45,6 +45,11 @@ class ShardWriter:
         self._offsets.append(self._offsets[-1] + n)
         self._sources.append(source)
 
+    @property
+    def finished_shards(self) -> int:
+        """How many shards are complete (the open one, if any, is not counted)."""
+        return len(self._entries)
+
     def close(self) -> SplitEntry:
         """Finish the open shard and return the split's entry for the manifest."""
         if self._handle is not None:

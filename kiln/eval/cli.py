@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.serve import quantize_options as quantize
 
 # ../shared/data/eval beside the repository, when kiln runs from a checkout that has it.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"
@@ -99,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
     )
+    quantize.add_quantize_options(p)
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -181,6 +183,7 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     tok = f"tokenizer {loaded.tokenizer_path}" if loaded.tokenizer_path else "no tokenizer needed"
     print(f"kiln eval: {loaded.source} ({tok})", file=sys.stderr)
     print("\n".join(loaded.precision.lines("kiln eval")), file=sys.stderr)
+    quantized = quantize.quantize_from_args(loaded.model, args, "kiln eval")
     device = next(loaded.model.parameters()).device
     scorer = Scorer(
         loaded.model, args.batch_size, not args.no_progress, autocast_dtype=loaded.autocast_dtype
@@ -215,6 +218,7 @@ def evaluate(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any]
     settings = {
         "limit": args.limit, "batch_size": args.batch_size, "device": str(device),
         "dtype": loaded.precision.name, "precision": loaded.precision.to_dict(), "stride": args.stride, "data_dir": str(args.data_dir),
+        "quantize": quantized and quantized.to_dict(),
     }  # fmt: skip
     doc = results_json(
         loaded.source,

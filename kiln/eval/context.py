@@ -181,16 +181,17 @@ def _position_buckets(nll: Tensor, nbytes: Tensor, length: int) -> list[tuple[in
 
 
 def plot_context_curves(curves: list[ContextCurve], png: str | Path, trained_len: int) -> Path:
-    """bpb against context length (left) and against position for each length (right)."""
+    """bpb against context length (left) and against position at the longest length (right)."""
     from kiln.plotting import pyplot, save_png
 
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4), dpi=120)
     for curve in curves:
         name = curve.rope_scaling or "rope (no scaling)"
         left.plot(list(curve.bpb), list(curve.bpb.values()), "o-", label=name)
-        for length, bucket in curve.buckets.items():
-            right.plot([hi - 1 for _, hi, _ in bucket], [b for *_, b in bucket], ".-",
-                       label=f"{name}, L={length}", linewidth=1)  # fmt: skip
+        length = max(curve.buckets)  # the longest context shows where the loss goes
+        bucket = curve.buckets[length]
+        right.plot([hi - 1 for _, hi, _ in bucket], [b for *_, b in bucket], ".-",
+                   label=f"{name}, L={length}", linewidth=1)  # fmt: skip
     for ax, xlabel in ((left, "context length (tokens)"), (right, "position in context")):
         ax.set_xscale("log", base=2)
         ax.axvline(trained_len, color="grey", linestyle=":", label=f"trained length {trained_len}")
@@ -199,7 +200,7 @@ def plot_context_curves(curves: list[ContextCurve], png: str | Path, trained_len
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     left.set_title("kiln: bpb by context length")
-    right.set_title("kiln: bpb by position bucket")
+    right.set_title("kiln: bpb by position (longest context)")
     return save_png(fig, png)
 
 

@@ -10,6 +10,7 @@ from itertools import chain
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.serve import quantize_options as quantize
 
 DESCRIPTION = """Generate text from a model, printing tokens as they are decoded.
 
@@ -73,6 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
     )
+    quantize.add_quantize_options(p)
     p.set_defaults(handler=run_sample)
 
 
@@ -87,6 +89,7 @@ def run_sample(args: argparse.Namespace) -> int:
     )
     print(f"kiln sample: {loaded.source}", file=sys.stderr)
     print("\n".join(loaded.precision.lines("kiln sample")), file=sys.stderr)
+    quantize.quantize_from_args(loaded.model, args, "kiln sample")
     tok = loaded.tokenizer
     if prompt_ids is None:
         from kiln.tokenizer.user_text import encode_user_text

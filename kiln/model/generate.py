@@ -28,6 +28,14 @@ def sample_next(
     """Next token ids (B,) from logits (B, V): greedy at temperature 0, else top-k/top-p sampling."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def filter_logits(
+    logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> Tensor:
+    """fp32 logits (B, V) / temperature (> 0), -inf outside the top-k and the top-p nucleus."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -38,8 +46,7 @@ def sample_next(
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
         drop = probs.cumsum(dim=-1) - probs > top_p  # (B, V); the top token is never dropped
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return logits
 
 
 def decode_step(model: Transformer, tokens: Tensor, cache: AttentionCache) -> Tensor:

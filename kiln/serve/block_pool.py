@@ -51,10 +51,12 @@ class BlockPool:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (cfg.n_layer, cfg.kv_heads, num_blocks, block_size, cfg.head_size)
-        # Uninitialised: a slot is always written before any query reads it.
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        # One extra block, never handed out, stays all zeros: padded reads point at it, so a
+        # masked key always holds finite values (0 weight x stale NaN would still be NaN).
+        shape = (cfg.n_layer, cfg.kv_heads, num_blocks + 1, block_size, cfg.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.zero_slot = num_blocks * block_size  # the first slot of the zero block
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks

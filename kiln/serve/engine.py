@@ -9,13 +9,11 @@ CPU a request's logits do not depend on the rest of the batch (see `invariant.py
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +25,8 @@ from kiln.model.transformer import Transformer
 from kiln.serve.block_pool import BlockPool, block_bytes
 from kiln.serve.invariant import BatchInvariant
 from kiln.serve.paged_cache import PagedStep
-from kiln.serve.sampling import SamplingParams, sample_generator, sample_token
+from kiln.serve.requests import Completion, RequestHandle, TokenEvent
+from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
 from kiln.serve.scheduler import Scheduler, Work
 from kiln.serve.scheduler import Sequence as Seq
 from kiln.serve.stop import TextStream
@@ -35,6 +34,12 @@ from kiln.serve.stop import TextStream
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
     from kiln.tokenizer.tokenizer import Tokenizer
+
+
+__all__ = [
+    "Completion", "Engine", "EngineConfig", "EngineFull", "EngineStats", "RequestHandle",
+    "TokenEvent",
+]  # fmt: skip
 
 
 class EngineFull(KilnError):
@@ -58,7 +63,7 @@ class EngineConfig:
     max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
     prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
-    invariant_rows: int = 16  # rows per matmul tile when batch_invariant
+    invariant_rows: int = 4  # matmul rows are padded to a multiple of this when batch_invariant
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
 
     def __post_init__(self) -> None:
@@ -96,29 +101,6 @@ class EngineStats:
     steps: int
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one sample, with the text it releases."""
-
-    index: int  # which of the n samples (0..n-1)
-    token_id: int
-    text: str  # "" while a possible stop string or an incomplete UTF-8 sequence is held back
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None  # best first, when params.logprobs
-
-
-@dataclass
-class Completion:
-    """One finished sample."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    logprobs: list[TokenEvent] | None
-    error: str | None = None
-
-
 @dataclass(eq=False)
 class _Sample:
     """The engine's state for one sample of a request."""
@@ -144,115 +126,6 @@ class _Request:
     cancelled: bool = False
 
 
-_ids = itertools.count()
-
-
-class RequestHandle:
-    """A submitted request: iterate its tokens as they come, cancel it, or wait for the result."""
-
-    def __init__(self, engine: Engine, prompt_ids: list[int], n: int) -> None:
-        self.request_id = f"req-{next(_ids)}"
-        self.prompt_ids = prompt_ids
-        self.engine = engine
-        self.n = n
-        self.done = False
-        self.submit_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self._events: deque[TokenEvent] = deque()
-        self._completions: dict[int, Completion] = {}
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # ------------------------------------------------------------------------ engine side
-    def _push(self, event: TokenEvent) -> None:
-        with self._cond:
-            if self.first_token_time is None:
-                self.first_token_time = time.monotonic()
-            self._events.append(event)
-        self._notify()
-
-    def _finish(self, completion: Completion) -> None:
-        with self._cond:
-            self._completions[completion.index] = completion
-            if len(self._completions) == self.n:
-                self.finish_time = time.monotonic()
-                self.done = True
-        self._notify()
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
-
-    # ------------------------------------------------------------------------ caller side
-    def _next(self, timeout: float | None) -> TokenEvent | None:
-        """The next event, driving the engine when no background loop does; None at the end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                if self._events:
-                    return self._events.popleft()
-                if self.done:
-                    return None
-                if self.engine.background:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"{self.request_id} did not finish in time")
-                    self._cond.wait(0.05 if left is None else min(left, 0.05))
-                    continue
-            self.engine.step()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        """Token events of all n samples as they are produced (blocking)."""
-        while (event := self._next(None)) is not None:
-            yield event
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """Token events for asyncio code (steps the engine in a worker thread if nothing does)."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, wake))
-        try:
-            while True:
-                with self._cond:
-                    event = self._events.popleft() if self._events else None
-                    finished = self.done and event is None
-                    wake.clear()
-                if event is not None:
-                    yield event
-                elif finished:
-                    return
-                elif self.engine.background:
-                    await wake.wait()
-                else:
-                    await loop.run_in_executor(None, self.engine.step)
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, wake))
-
-    def cancel(self) -> None:
-        """Stop generating; the request's KV blocks are freed at the next step at the latest."""
-        self.engine._cancel(self)
-
-    def result(self, timeout: float | None = None) -> list[Completion]:
-        """The n completions, sample index order, once all are finished."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"{self.request_id} did not finish in time")
-            if self.engine.background:
-                with self._cond:
-                    self._cond.wait(0.05 if left is None else min(left, 0.05))
-            else:
-                self.engine.step()
-        return [self._completions[i] for i in range(self.n)]
-
-
 class Engine:
     """Continuous batching over a paged KV cache for one model (see the module docstring)."""
 
@@ -270,6 +143,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eot_id = eot_id
+        self.extra_stop_ids: frozenset[int] = frozenset()  # more end-of-sequence ids (HF configs)
         self.drafter = drafter  # reserved for speculative decoding (kiln.serve.speculative)
         self._autocast = autocast or contextlib.nullcontext
         param = next(model.parameters())
@@ -281,7 +155,7 @@ class Engine:
             num_blocks = c.num_blocks
         else:
             memory = c.kv_cache_bytes or c.default_kv_bytes
-            num_blocks = memory // per_block
+            num_blocks = memory // per_block - 1  # the pool keeps one zero block besides
             if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
                 num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
         if num_blocks < 1:
@@ -314,8 +188,6 @@ class Engine:
                      autocast=loaded.autocast)  # fmt: skip
         engine.extra_stop_ids = frozenset(loaded.stop_ids)
         return engine
-
-    extra_stop_ids: frozenset[int] = frozenset()  # further end-of-sequence ids (HF configs)
 
     @property
     def background(self) -> bool:
@@ -446,6 +318,7 @@ class Engine:
             row = 0
             for w in work:
                 self.scheduler.computed(w.seq, w.end - w.start)
+            argmax: list[int] | None = None  # plain greedy rows share one batched argmax
             for w in work:
                 if not w.sample:
                     continue
@@ -453,7 +326,12 @@ class Engine:
                 request = sample.request
                 if sample.done is None:
                     try:
-                        produced += self._advance(sample, logits[row])
+                        if request.params.plain_greedy and request.params.n == 1:
+                            if argmax is None:
+                                argmax = logits.argmax(dim=-1).tolist()
+                            produced += self._emit(sample, Sampled(argmax[row], None, None))
+                        else:
+                            produced += self._advance(sample, logits[row])
                     except Exception as exc:  # this request fails alone
                         self._fail(request, exc)
                 row += 1
@@ -465,8 +343,10 @@ class Engine:
         """Logits (R, V) of the rows that sample, one forward over all segments."""
         tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
         idx = torch.tensor(tokens, dtype=torch.long, device=self.device)[None]  # (1, N)
-        cache = PagedStep(self.pool, [w.segment() for w in work], self.device)
-        rows = [b - 1 for w, (_, b) in zip(work, cache.bounds, strict=True) if w.sample]
+        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
+                          invariant=self.config.batch_invariant)  # fmt: skip
+        ends = list(itertools.accumulate(w.end - w.start for w in work))
+        rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
         mode = (
             BatchInvariant(self.config.invariant_rows)
             if self.config.batch_invariant
@@ -493,9 +373,15 @@ class Engine:
     def _sample_one(self, sample: _Sample, logits: torch.Tensor) -> int:
         seq = sample.seq
         assert seq is not None
+        picked = sample_token(logits, sample.request.params, seq.tokens[: seq.prompt_len],
+                              sample.generated, sample.generator)  # fmt: skip
+        return self._emit(sample, picked)
+
+    def _emit(self, sample: _Sample, picked: Sampled) -> int:
+        """Append a sampled token: stop checks, text, the event; 1 if a token was produced."""
+        seq = sample.seq
+        assert seq is not None
         params = sample.request.params
-        picked = sample_token(logits, params, seq.tokens[: seq.prompt_len], sample.generated,
-                              sample.generator)  # fmt: skip
         if picked.token_id in sample.request.stop_ids:
             self._complete(sample, "stop")
             return 0

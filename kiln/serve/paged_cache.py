@@ -2,13 +2,23 @@
 
 Every scheduled piece of work (a decode token, a prefill chunk) is a segment of one sequence;
 their tokens are concatenated into a single (1, N) batch so the linear layers run once for all
-of them. Attention writes the new keys and values into the block pool, then attends each
-segment over its own sequence's blocks (SDPA over the gathered blocks), so a row never sees
-another request's keys and its result does not depend on the other segments.
+of them. Attention first writes the new keys and values into the block pool, then:
+
+- single-token (decode) segments attend in groups: each row's keys are gathered from its block
+  table and padded (from an all-zero block, masked out) to its bucket, the next power of two of
+  its length (at least 16). Rows of one bucket run as one batched matmul / softmax / matmul.
+  The shapes a row goes through depend only on its own length, and measured on CPU (1 and 2
+  threads) a batched matmul gives each batch entry the same bits whatever the batch count, so
+  a row's result does not depend on the rest of the batch. (Fused SDPA is not batch-invariant
+  with 2 threads; padding every row to the batch's longest would not be either.) With
+  invariant=False all decode rows run as one fused SDPA over the longest length instead;
+- each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
+  that depend only on the segment.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +27,8 @@ from torch import Tensor
 
 from kiln.model.attention import attention_mask
 from kiln.serve.block_pool import BlockPool
+
+PAD = 16  # decode keys are padded to a multiple of this (a multiple of any SIMD width)
 
 
 @dataclass(frozen=True)
@@ -28,16 +40,30 @@ class Segment:
     end: int
 
 
+def _slots(table: tuple[int, ...], n: int, bs: int) -> Tensor:
+    """Flat pool slots (block * bs + offset) of a sequence's first n tokens."""
+    blocks = torch.tensor(table[: -(-n // bs)], dtype=torch.long)
+    return (blocks[:, None] * bs + torch.arange(bs)).view(-1)[:n]
+
+
 class PagedStep:
-    """Positions, KV slots and per-segment attention for one forward over packed segments."""
+    """Positions, KV slots and attention for one forward over packed segments."""
 
     length = 0  # the packed row has no shared prefix: positions come from `positions`
     first_valid = None
 
-    def __init__(self, pool: BlockPool, segments: list[Segment], device: torch.device) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        segments: list[Segment],
+        device: torch.device,
+        *,
+        invariant: bool = True,
+    ) -> None:
         bs = pool.block_size
         self.pool = pool
-        self.segments = segments
+        self.invariant = invariant  # decode attention whose rows do not depend on the batch
+        self.device = device
         positions: list[int] = []
         blocks: list[int] = []
         for seg in segments:
@@ -48,20 +74,46 @@ class PagedStep:
         self.positions = pos[None].to(device)  # (1, N)
         self.slot_block = torch.tensor(blocks, dtype=torch.long, device=device)  # (N,)
         self.slot_offset = (pos % bs).to(device)  # (N,)
-        # One index of the flat (num_blocks * bs) slots per segment, for all its keys so far.
-        within = torch.arange(bs)
-        self.key_slots = [
-            (torch.tensor(seg.table[: -(-seg.end // bs)])[:, None] * bs + within)
-            .view(-1)[: seg.end]
-            .to(device)
-            for seg in segments
-        ]
-        self.bounds: list[tuple[int, int]] = []
+        self.prefill: list[tuple[Segment, Tensor, int, int]] = []  # segment, slots, rows a:b
+        decode_rows: list[int] = []
+        decode: list[Segment] = []
         at = 0
         for seg in segments:
-            self.bounds.append((at, at + seg.end - seg.start))
-            at += seg.end - seg.start
+            T = seg.end - seg.start
+            if T == 1:
+                decode_rows.append(at)
+                decode.append(seg)
+            else:
+                self.prefill.append((seg, _slots(seg.table, seg.end, bs).to(device), at, at + T))
+            at += T
+        self.n_tokens = at
+        zero_block = pool.zero_slot // bs
+        if invariant:
+            buckets: dict[int, list[int]] = {}
+            for i, seg in enumerate(decode):
+                buckets.setdefault(max(PAD, 1 << (seg.end - 1).bit_length()), []).append(i)
+            groups = list(buckets.values())
+        else:
+            groups = [list(range(len(decode)))] if decode else []
+        # Per group: packed rows, key slots (B, S) padded from the zero block, key counts.
+        self.decode: list[tuple[Tensor, Tensor, Tensor]] = []
+        for group in groups:
+            segs = [decode[i] for i in group]
+            width = -(-max(s.end for s in segs) // PAD) * PAD
+            if invariant:
+                width = max(PAD, 1 << (segs[0].end - 1).bit_length())
+            n_blocks = -(-width // bs)
+            tables = torch.tensor([
+                list(s.table[: -(-s.end // bs)]) + [zero_block] * (n_blocks - -(-s.end // bs))
+                for s in segs
+            ])  # (B, n_blocks)  # fmt: skip
+            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(segs), -1)[:, :width]
+            ends = torch.tensor([s.end for s in segs], dtype=torch.long)
+            slots = slots.masked_fill(torch.arange(width)[None] >= ends[:, None], pool.zero_slot)
+            rows = torch.tensor([decode_rows[i] for i in group], dtype=torch.long)
+            self.decode.append((rows.to(device), slots.to(device), ends.to(device)))
         self._masks: dict[tuple[int, int | None], Tensor | None] = {}
+        self._valid: dict[tuple[int, int | None], Tensor] = {}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Not used: the model calls `attend` on a cache that has it."""
@@ -71,21 +123,32 @@ class PagedStep:
         """Nothing to do: the engine moves each sequence on after the step."""
 
     def _mask(self, i: int, window: int | None) -> Tensor | None:
-        """Segment i's mask (1, T, S), or None where SDPA's own causal rule is right."""
+        """Prefill segment i's mask (1, T, S), or None where SDPA's causal rule is right."""
         key = (i, window)
         if key not in self._masks:
-            seg = self.segments[i]
+            seg = self.prefill[i][0]
             T, S = seg.end - seg.start, seg.end
-            windowed = window is not None and window < S
-            if not windowed and (T == 1 or T == S):
+            if (window is None or window >= S) and T == S:
                 self._masks[key] = None
             else:
-                slots = torch.arange(seg.start, seg.end, device=self.positions.device)
+                slots = torch.arange(seg.start, seg.end, device=self.device)
                 self._masks[key] = attention_mask(slots, S, window, None)[0]  # (1, T, S)
         return self._masks[key]
 
+    def _decode_valid(self, g: int, window: int | None) -> Tensor:
+        """(B, S) which padded key slots each row of decode group g may attend to."""
+        key = (g, window)
+        if key not in self._valid:
+            _, slots, ends = self.decode[g]
+            k_pos = torch.arange(slots.size(1), device=self.device)[None]  # (1, S)
+            valid = k_pos < ends[:, None]  # the query sits at end - 1
+            if window is not None:
+                valid = valid & (k_pos >= ends[:, None] - window)
+            self._valid[key] = valid
+        return self._valid[key]
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
-        """Store k, v (1, H_kv, N, D) in the pool; attention (1, H, N, D) of each segment."""
+        """Store k, v (1, H_kv, N, D) in the pool; attention (1, H, N, D) of every segment."""
         # Plain tensor code, no linear layers: skip torch-function modes (e.g. BatchInvariant)
         # whose per-op Python dispatch would otherwise cost more than these small ops.
         with torch._C.DisableTorchFunction():
@@ -95,18 +158,42 @@ class PagedStep:
             H_kv, D = pk.size(0), pk.size(-1)
             flat_k, flat_v = pk.view(H_kv, -1, D), pv.view(H_kv, -1, D)
             q3 = q[0]  # (H, N, D)
+            out = torch.empty_like(q3)
+            for g in range(len(self.decode)):
+                rows = self.decode[g][0]
+                out.index_copy_(1, rows, self._decode(g, q3, flat_k, flat_v, window))
             gqa = q3.size(0) != H_kv
-            same = pk.dtype == q.dtype
-            outs = []
-            for i, (slots, (a, b)) in enumerate(zip(self.key_slots, self.bounds, strict=True)):
-                keys = flat_k.index_select(1, slots)  # (H_kv, S, D)
-                values = flat_v.index_select(1, slots)
-                if not same:
-                    keys, values = keys.to(q.dtype), values.to(q.dtype)
+            for i, (_, slots, a, b) in enumerate(self.prefill):
+                keys = flat_k.index_select(1, slots).to(q.dtype)  # (H_kv, S, D)
+                values = flat_v.index_select(1, slots).to(q.dtype)
                 mask = self._mask(i, window)
-                outs.append(F.scaled_dot_product_attention(
-                    q3[:, a:b], keys, values, attn_mask=mask, is_causal=mask is None and b - a > 1,
+                out[:, a:b] = F.scaled_dot_product_attention(
+                    q3[:, a:b], keys, values, attn_mask=mask, is_causal=mask is None,
                     enable_gqa=gqa,
-                ))  # fmt: skip
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+                )  # fmt: skip
         return out[None]  # (1, H, N, D)
+
+    def _decode(
+        self, g: int, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None
+    ) -> Tensor:
+        """Attention (H, B, D) of decode group g's rows over their padded keys."""
+        rows, slots, _ = self.decode[g]
+        B, S = slots.shape
+        H, D = q3.size(0), q3.size(-1)
+        H_kv = flat_k.size(0)
+        idx = slots.view(-1)
+        # Batch dims (H_kv, B): the gathered keys are contiguous as they come (a strided batch
+        # would let the matmul choose other kernels, and other bits, for other B).
+        keys = flat_k.index_select(1, idx).view(H_kv, B, S, D)
+        values = flat_v.index_select(1, idx).view(H_kv, B, S, D)
+        valid = self._decode_valid(g, window)[None, :, None, :]  # (1, B, 1, S); padding: zeros
+        query = q3.index_select(1, rows).view(H_kv, H // H_kv, B, D).transpose(1, 2)
+        query = query.to(keys.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
+        if not self.invariant:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid)
+        else:
+            scores = query @ keys.transpose(-2, -1) * (1.0 / math.sqrt(D))  # (H_kv, B, g, S)
+            scores = scores.masked_fill(~valid, float("-inf"))
+            out = torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+        # (H_kv, B, g, D) -> (H, B, D) with query head h = kv * g + j
+        return out.transpose(1, 2).reshape(H, B, D).to(q3.dtype)

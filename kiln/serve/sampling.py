@@ -97,6 +97,15 @@ class SamplingParams:
         """Whether every token is the most likely one (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: no penalty, processor or logprobs (a batched argmax)."""
+        return (
+            self.temperature == 0 and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+            and not self.logits_processors and self.logprobs is None
+        )  # fmt: skip
+
 
 def sample_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator:
     """The generator of sample `index` of a request: from its seed, else from fresh entropy."""

@@ -208,11 +208,13 @@ def save_checkpoint(
     state: TrainState,
     scheduler: dict[str, Any],
     keep_last: int,
+    extra_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the checkpoint of `state.step` atomically, point `latest` at it, prune old ones.
 
     `model` is the module or its `full_model_state`; `optimizer` the optimizer or its
     `full_optimizer_state` (what a sharded run's main process passes after gathering).
+    `extra_tensors` maps further file names to tensors saved beside the model (e.g. a value model).
     """
     final = step_dir(checkpoints, state.step)
     tmp = make_temp_dir(checkpoints, final, os.getpid())
@@ -223,6 +225,9 @@ def save_checkpoint(
         umask = os.umask(0)  # safetensors creates the file 0600; give it a plain open()'s mode
         os.umask(umask)
         os.chmod(tmp / "model.safetensors", 0o666 & ~umask)
+        for name, extra in (extra_tensors or {}).items():
+            save_file(extra, str(tmp / name))
+            os.chmod(tmp / name, 0o666 & ~umask)
         optim_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
         torch.save(optim_state, tmp / "optimizer.pt")
     except BaseException:

@@ -168,3 +168,23 @@ def test_help_and_task_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kiln eval runs/demo --tasks hellaswag,arc_easy --limit 200" in capsys.readouterr().out
     code, out, _ = run(capsys, "eval", "--list-tasks")
     assert code == 0 and len(out.splitlines()) == 8 and "hellaswag_val.txt.bz2" in out
+
+
+def test_eval_quantize_scores_the_quantized_model_and_records_it(
+    capsys: pytest.CaptureFixture[str], hf_dir: Path, tok: Tokenizer, tmp_path: Path
+) -> None:
+    text = tmp_path / "story.txt"
+    text.write_text("Lily and Tom went to the park. They played on the swings all day.\n")
+    args = ["eval", str(hf_dir), "--bpb", str(text), "--dtype", "fp32", "--no-progress"]
+    docs = {}
+    for mode in ("fp32", "int8"):
+        out = tmp_path / f"{mode}.json"
+        extra = [] if mode == "fp32" else ["--quantize", "int8"]
+        code, _, err = run(capsys, *args, *extra, "--out", str(out))
+        assert code == 0, err
+        docs[mode] = json.loads(out.read_text())
+    assert "kiln eval: quantize int8 (per output channel)" in err
+    assert docs["fp32"]["settings"]["quantize"] is None
+    assert docs["int8"]["settings"]["quantize"]["mode"] == "int8"
+    bpb = {mode: doc["bpb"]["bits_per_byte"] for mode, doc in docs.items()}
+    assert bpb["int8"] != bpb["fp32"] and bpb["int8"] == pytest.approx(bpb["fp32"], rel=0.02)

@@ -66,6 +66,16 @@ HF_MODELS = {
     "deepseek-v3-dense-no-q-rank": lambda: hf_deepseek(
         q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False
     ),
+    "deepseek-v3-yarn-mscale": lambda: hf_deepseek(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 16,
+        }
+    ),
 }
 
 

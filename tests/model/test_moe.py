@@ -67,6 +67,20 @@ def test_grouped_matmul_fallback_matches_per_segment_products_and_has_gradients(
     assert w.grad is not None and bool(w.grad[1].eq(0).all()) and bool(w.grad[0].ne(0).any())
 
 
+def test_grouped_mm_path_uses_the_same_segments_and_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kiln calls torch._grouped_mm on CUDA (bf16, Hopper+) only; its CPU kernel runs forward
+    # in fp32, which checks the offsets and the weight transpose against the fallback here.
+    import kiln.model.moe as moe
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    x, w, counts = torch.randn(12, 16), torch.randn(3, 8, 16), torch.tensor([5, 0, 7])
+    expected = grouped_matmul(x, w, counts)
+    monkeypatch.setattr(moe, "grouped_mm_available", lambda t: True)
+    with torch.no_grad():
+        torch.testing.assert_close(moe.grouped_matmul(x, w, counts), expected)
+
+
 def test_capacity_drops_the_later_assignments_of_a_full_expert() -> None:
     dropless = build(moe_cfg())
     capped = build(moe_cfg(capacity_factor=0.25))

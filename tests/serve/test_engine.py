@@ -152,6 +152,16 @@ def test_n_samples_share_the_prompt_and_sample_zero_is_the_seeded_single(
     assert [c.token_ids for c in again] == [c.token_ids for c in many]
 
 
+def test_n_samples_without_room_wait_and_match_the_forked_ones(llama, make_engine) -> None:
+    prompt = random_prompts(1, 10, 10, 300, seed=12)[0]
+    params = SamplingParams(max_tokens=6, n=3, seed=9)
+    roomy = make_engine(llama, block_size=4, prefix_caching=False)
+    tight = make_engine(llama, block_size=4, prefix_caching=False, max_num_seqs=1)
+    forked = roomy.generate([prompt], params)[0]
+    waited = tight.generate([prompt], params)[0]
+    assert [c.token_ids for c in waited] == [c.token_ids for c in forked]
+
+
 def test_long_prefill_is_chunked_while_others_decode(llama, make_engine) -> None:
     engine = make_engine(llama, block_size=4, prefill_chunk=8, max_tokens_per_step=10)
     short = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, temperature=0))
@@ -267,6 +277,30 @@ def test_memory_bound_by_bytes_and_gqa_stores_kv_heads(llama, make_engine) -> No
     from kiln.serve.block_pool import block_bytes
 
     per_block = block_bytes(llama.cfg, 16, torch.float32)
-    engine = make_engine(llama, kv_cache_bytes=10 * per_block + 1)
-    assert engine.pool.num_blocks == 10
-    assert engine.pool.k.shape == (llama.cfg.n_layer, 2, 10, 16, llama.cfg.head_size)
+    engine = make_engine(llama, kv_cache_bytes=11 * per_block + 1)
+    assert engine.pool.num_blocks == 10  # and one zero block for padded reads
+    assert engine.pool.k.numel() * 4 * 2 <= 11 * per_block + 1
+    assert engine.pool.k.shape == (llama.cfg.n_layer, 2, 11, 16, llama.cfg.head_size)
+
+
+def test_a_failed_forward_fails_its_step_and_the_engine_goes_on(
+    llama, make_engine, monkeypatch
+) -> None:
+    engine = make_engine(llama, block_size=4)
+    first = engine.submit([1, 2, 3], GREEDY)
+    real = engine._forward
+    calls = iter([RuntimeError("device lost"), None])
+
+    def flaky(work):
+        exc = next(calls, None)
+        if exc is not None:
+            raise exc
+        return real(work)
+
+    monkeypatch.setattr(engine, "_forward", flaky)
+    engine.step()
+    (c,) = first.result()
+    assert c.finish_reason == "error" and "device lost" in c.error
+    assert engine.stats().blocks_used == 0
+    (ok,) = engine.generate([[1, 2, 3]], GREEDY)[0]
+    assert ok.token_ids == reference(llama, [[1, 2, 3]], 12)[0]

@@ -1,4 +1,10 @@
-"""From a training token back to its document, its source, and the removals around it."""
+"""From a training token (or a document id) back to its document's full history.
+
+The history is what the shard's document map holds: the source record it was read from, every
+stage that rewrote it and why, and the documents deduplicated into it. Removals of *other*
+documents near it in the input file are listed after it, labelled as such: they sit nearby,
+they were not merged into it.
+"""
 
 from __future__ import annotations
 
@@ -51,21 +57,129 @@ def removed_near(root: Path, file: str, ordinal: int, window: int) -> list[dict[
     return sorted(near, key=lambda r: r["ordinal"])
 
 
-def explain_token(ds: Dataset, split: str, position: int, window: int = 5) -> str:
-    """A few lines: the token's document, where it came from, and removals next to it."""
-    shard, local_doc, index = document_at_token(ds, split, position)
-    record = document_record(ds.root, split, shard, local_doc)
+def find_document(root: Path, doc_id: str) -> tuple[str, int, int, int]:
+    """(split, shard, index within the shard, index within the split) of a document by id."""
+    for split in _splits(root):
+        before = 0
+        for path in sorted(root.glob(f"{split}_[0-9]*{DOC_MAP_SUFFIX}")):
+            shard = int(path.name.removesuffix(DOC_MAP_SUFFIX).rsplit("_", 1)[1])
+            count = 0
+            for k, record in enumerate(read_records(path)):
+                if record["id"] == doc_id:
+                    return split, shard, k, before + k
+                count += 1
+            before += count
+    raise KilnError(f"--doc {doc_id!r}: no document with this id in {root}'s document maps")
+
+
+def _splits(root: Path) -> list[str]:
+    names = {
+        p.name.removesuffix(DOC_MAP_SUFFIX).rsplit("_", 1)[0]
+        for p in root.glob(f"*_*{DOC_MAP_SUFFIX}")
+    }
+    return sorted(names, key=lambda name: (name != "train", name))
+
+
+def format_history(record: dict[str, Any]) -> list[str]:
+    """Lines for a document map entry: its source record, its changes, its merged duplicates."""
     lines = [
-        f"token {position:,} of {split}: document {index:,} (shard {shard}, #{local_doc})",
-        f"  id {record['id']}  source {record['source']}  copy {record['copy']}",
-        f"  input {record['file']} record {record['ordinal']}",
+        f"  id {record['id']}  source {record['source']}  copy {record.get('copy', 0)}",
+        f"  source record: input {record['file']} record {record['ordinal']}",
     ]
-    near = removed_near(ds.root, record["file"], int(record["ordinal"]), window)
-    if not near:
-        lines.append(f"  no document within {window} records of it was removed")
+    history = record.get("history", [])
+    if not history:
+        lines.append("  changes: none (written as read)")
     else:
-        lines.append(f"  removed within {window} records of it:")
-        for r in near:
-            dup = f" (duplicate of {r['duplicate_of']})" if r.get("duplicate_of") else ""
-            lines.append(f"    record {r['ordinal']}: {r['stage']}: {r['reason']}{dup}")
-    return "\n".join(lines)
+        lines.append("  changes:")
+        for entry in history:
+            lines.extend(f"    {line}" for line in _change_lines(entry))
+    duplicates = record.get("duplicates", [])
+    if not duplicates:
+        lines.append("  duplicates merged into it: none")
+    else:
+        lines.append(f"  duplicates merged into it ({len(duplicates)}):")
+        for d in duplicates:
+            via = f", matched {d['matched']}" if d.get("matched") else ""
+            lines.append(
+                f"    {d['id']} (input {d['file']} record {d['ordinal']}): {d['reason']}{via}"
+            )
+    return lines
+
+
+def _change_lines(entry: dict[str, Any]) -> list[str]:
+    """One change: the stage, what it did, and the details that say why."""
+    head = (
+        f"{entry['stage']}: {entry['change']} "
+        f"({entry['chars_before']:,} -> {entry['chars_after']:,} characters)"
+    )
+    lines = [head]
+    if "pii" in entry:
+        lines.append(f"  {entry['pii'].get('email', 0)} e-mail, {entry['pii'].get('ip', 0)} IP")
+    if entry.get("c4_lines_removed"):
+        rules = ", ".join(f"{rule}: {n}" for rule, n in entry["c4_lines_removed"].items())
+        lines.append(f"  lines removed by rule: {rules}")
+    for cut in entry.get("decontam_cuts", []):
+        why = (
+            "matched "
+            + "; ".join(
+                f"{task} item{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
+                for task, items in cut["matched"].items()
+            )
+            if cut["kind"] == "match"
+            else "left as a piece too short to keep"
+        )
+        lines.append(
+            f"  cut characters {cut['start']:,}-{cut['start'] + cut['chars']:,} "
+            f"({cut['chars']:,} characters, {cut['words']:,} words): {why}"
+        )
+    return lines
+
+
+def _nearby_lines(root: Path, record: dict[str, Any], window: int) -> list[str]:
+    near = [
+        r
+        for r in removed_near(root, record["file"], int(record["ordinal"]), window)
+        if r["id"] != record["id"]
+    ]
+    label = f"  nearby removals in the input (other documents within {window} records"
+    if not near:
+        return [f"{label}): none"]
+    lines = [f"{label}; not merged into this one unless listed above):"]
+    for r in near:
+        dup = f" (duplicate of {r['duplicate_of']})" if r.get("duplicate_of") else ""
+        lines.append(f"    record {r['ordinal']}: {r['stage']}: {r['reason']}{dup}")
+    return lines
+
+
+def _explain(root: Path, title: str, split: str, shard: int, local_doc: int, window: int) -> str:
+    """The title, the document's history, then the removals next to it in the input."""
+    record = document_record(root, split, shard, local_doc)
+    lines = [f"{title} (shard {shard}, #{local_doc})", *format_history(record)]
+    return "\n".join(lines + _nearby_lines(root, record, window))
+
+
+def explain_token(ds: Dataset, split: str, position: int, window: int = 5) -> str:
+    """The token's document with its full history, then removals next to it in the input."""
+    shard, local_doc, index = document_at_token(ds, split, position)
+    title = f"token {position:,} of {split}: document {index:,}"
+    return _explain(ds.root, title, split, shard, local_doc, window)
+
+
+def explain_document(root: Path, doc_id: str, window: int = 5) -> str:
+    """A document's full history by id, then removals next to it in the input."""
+    split, shard, local_doc, index = find_document(root, doc_id)
+    title = f"document {doc_id}: {split} document {index:,}"
+    return _explain(root, title, split, shard, local_doc, window)
+
+
+def explain_index(ds: Dataset, split: str, index: int, window: int = 5) -> str | None:
+    """The history of document `index` of a split; None if the dataset has no document maps."""
+    sp = ds.split(split)
+    if not 0 <= index < sp.n_documents:
+        raise KilnError(f"--doc {index}: split {split!r} has {sp.n_documents} documents")
+    counts = np.cumsum([0] + [s.n_documents for s in sp.shards])
+    shard = int(np.searchsorted(counts, index, side="right")) - 1
+    if not (ds.root / f"{split}_{shard:06d}{DOC_MAP_SUFFIX}").is_file():
+        return None
+    title = f"{split} document {index:,}"
+    return _explain(ds.root, title, split, shard, index - int(counts[shard]), window)

@@ -6,6 +6,12 @@ in an evaluation set is removed together with a 200-character window on each sid
 lm-evaluation-harness's `Janitor`, which reimplements the procedure); the rest of the document
 falls apart into pieces; pieces shorter than 200 characters are dropped; a document split into
 more than 10 pieces is dropped entirely. kiln joins the kept pieces with a blank line ("\\n\\n").
+Unlike GPT-3, a window's edge snaps outwards to a word boundary (`snap = "word"`, the default) or a
+sentence boundary (`"sentence"`), so the text left in the shard never starts or ends mid-word
+(`"none"`: the exact 200-character windows). Every cut is recorded in `doc.meta["decontam_cuts"]`:
+its offsets in the text as it reached this stage, its length in characters and words, and the
+benchmark items it matched (0-based item numbers in the evaluation file); pieces dropped as too
+short are recorded there too.
 Not reproduced: GPT-3 also ignored 13-grams occurring in more than 10 training documents (common
 phrases, boilerplate). That needs a corpus-wide count before filtering; kiln removes every match.
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,12 @@ _SPLIT_SUFFIXES = ("_val", "_validation", "_dev", "_test")
 _HASH_BATCH = 2048  # eval texts hashed per NumPy call
 _DOCS_PER_LOOKUP = 256  # training documents hashed per NumPy call
 _BIT = np.array([1 << k for k in range(8)], dtype=np.uint8)  # bit k of a bitmap byte
+SNAP_MODES = ("none", "word", "sentence")
+_MAX_WORD_SNAP = 100  # characters a cut's edge may move to reach a word boundary
+_MAX_SENTENCE_SNAP = 600  # ... or a sentence boundary
+# A sentence ends at . ! or ? (with any closing quotes or brackets) before whitespace, or at a
+# line break.
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)|\n")
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,11 @@ class DecontamConfig:
     window_chars: int = 200
     min_piece_chars: int = 200
     max_pieces: int = 10
+    snap: str = "word"  # widen each cut to a word ("word") or sentence boundary, or "none"
 
     def __post_init__(self) -> None:
+        if self.snap not in SNAP_MODES:
+            raise ConfigError(f"decontaminate.snap = {self.snap!r}: expected one of {SNAP_MODES}")
         for name, low in (("ngram", 1), ("window_chars", 0), ("min_piece_chars", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(
@@ -170,10 +186,13 @@ class EvalNgramIndex:
         tasks: Sequence[str],
         ngram: int,
         stats: dict[str, TaskStats] | None = None,
+        item_ids: np.ndarray | None = None,
     ) -> None:
-        order = np.lexsort((task_ids, hashes))
+        items = np.zeros(len(hashes), np.int32) if item_ids is None else np.asarray(item_ids)
+        order = np.lexsort((items, task_ids, hashes))
         self.hashes = np.ascontiguousarray(hashes[order])  # (N,) uint64, sorted
         self.task_ids = np.ascontiguousarray(task_ids[order])  # (N,) int32, index into tasks
+        self.item_ids = np.ascontiguousarray(items[order])  # (N,) int32, first item with it
         self.tasks = list(tasks)
         self.ngram = ngram
         self.stats = stats or {}
@@ -189,7 +208,7 @@ class EvalNgramIndex:
     @classmethod
     def from_files(cls, paths: Sequence[str | os.PathLike[str]], ngram: int = 13) -> EvalNgramIndex:
         """Index every n-gram of every item of the given evaluation files."""
-        all_hashes, all_ids, tasks, stats = [], [], [], {}
+        all_hashes, all_ids, all_items, tasks, stats = [], [], [], [], {}
         for path in paths:
             name = task_name(path)
             if name in stats:
@@ -198,15 +217,23 @@ class EvalNgramIndex:
             texts = [text for item in items for text in item]
             item_of_text = np.repeat(np.arange(len(items)), [len(item) for item in items])
             hashes, counts = _ngram_hashes(texts, ngram)
-            unique = _sorted_unique(hashes)
+            unique, first_item = _first_items(hashes, np.repeat(item_of_text, counts))
             too_short = len(items) - len(_sorted_unique(item_of_text[counts > 0]))
             all_hashes.append(unique)
             all_ids.append(np.full(len(unique), len(tasks), dtype=np.int32))
+            all_items.append(first_item)
             stats[name] = TaskStats(len(items), len(unique), too_short)
             tasks.append(name)
         if not tasks:
             return cls(np.zeros(0, np.uint64), np.zeros(0, np.int32), [], ngram)
-        return cls(np.concatenate(all_hashes), np.concatenate(all_ids), tasks, ngram, stats)
+        return cls(
+            np.concatenate(all_hashes),
+            np.concatenate(all_ids),
+            tasks,
+            ngram,
+            stats,
+            np.concatenate(all_items),
+        )
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -230,6 +257,19 @@ class EvalNgramIndex:
         hi = np.searchsorted(self.hashes, hashes, side="right").tolist()
         return [[self.tasks[t] for t in self.task_ids[a:b]] for a, b in zip(lo, hi, strict=True)]
 
+    def matches_of(self, hashes: np.ndarray) -> list[list[tuple[str, int]]]:
+        """For each n-gram hash, the (task, first item holding it) pairs it occurs in."""
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        lo = np.searchsorted(self.hashes, hashes, side="left").tolist()
+        hi = np.searchsorted(self.hashes, hashes, side="right").tolist()
+        return [
+            [
+                (self.tasks[t], int(k))
+                for t, k in zip(self.task_ids[a:b], self.item_ids[a:b], strict=True)
+            ]
+            for a, b in zip(lo, hi, strict=True)
+        ]
+
 
 def _ngram_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
     """All n-gram hashes of `texts` and the count per text, hashed in batches."""
@@ -249,6 +289,15 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     keep = np.ones(len(ordered), dtype=bool)
     keep[1:] = ordered[1:] != ordered[:-1]
     return ordered[keep]
+
+
+def _first_items(hashes: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct hashes (sorted) and, for each, the lowest item number it occurs in."""
+    order = np.lexsort((items, hashes))
+    ordered = hashes[order]
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return ordered[first], items[order][first].astype(np.int32)
 
 
 @functools.lru_cache(maxsize=4)
@@ -290,51 +339,107 @@ class Decontaminator:
 
     def _cut(self, doc: Document) -> str | None:
         """Remove the matches (with their windows) from a document known to have some."""
-        spans, per_task = self._contaminated_spans(doc.text)
+        text = doc.text
+        spans, per_task, matched = self._contaminated_spans(text)
         if not spans:
             return None
         doc.meta["decontam"] = per_task
-        pieces = _pieces(doc.text, spans)
+        pieces = _pieces(text, spans)
+        kept = [p for p in pieces if p[1] - p[0] >= self.config.min_piece_chars]
+        cuts = [
+            _span_record(text, s, e, "match", items)
+            for (s, e), items in zip(spans, matched, strict=True)
+        ]
+        cuts += [_span_record(text, s, e, "short_piece") for s, e in pieces if (s, e) not in kept]
+        doc.meta["decontam_cuts"] = sorted(cuts, key=lambda c: c["start"])
         if len(pieces) > self.config.max_pieces:
             return "decontaminate.too_many_pieces"
-        kept = [p for p in pieces if len(p) >= self.config.min_piece_chars]
         if not kept:
             return "decontaminate.empty"
-        doc.text = "\n\n".join(kept)
+        doc.text = "\n\n".join(text[s:e] for s, e in kept)
         return None
 
-    def _contaminated_spans(self, text: str) -> tuple[list[tuple[int, int]], dict[str, int]]:
-        """Merged character spans to remove (match + window) and the spans per task."""
+    def _contaminated_spans(
+        self, text: str
+    ) -> tuple[list[tuple[int, int]], dict[str, int], list[dict[str, list[int]]]]:
+        """Merged character spans to remove (match + window, snapped), the spans per task, and
+        per span the evaluation items it matched ({task: [item, ...]})."""
         tokens = normalized_word_spans(text)  # the words detection hashed, with positions
         n = self.config.ngram
         hashes, _ = hash_word_ngrams([" ".join(t[0] for t in tokens)], n, whole_if_short=False)
         hits = np.flatnonzero(self.index.contains(hashes))
         window = self.config.window_chars
         spans: list[list[int]] = []  # merged [start, end)
-        span_tasks: list[set[str]] = []
-        for i, names in zip(hits.tolist(), self.index.tasks_of(hashes[hits]), strict=True):
-            start = max(tokens[i][1] - window, 0)
-            end = min(tokens[i + n - 1][2] + window, len(text))
-            tasks = set(names)
-            if spans and start <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], end)
-                span_tasks[-1] |= tasks
-            else:
+        span_items: list[dict[str, set[int]]] = []
+        for i, found in zip(hits.tolist(), self.index.matches_of(hashes[hits]), strict=True):
+            start, end = _snap(
+                text, max(tokens[i][1] - window, 0), min(tokens[i + n - 1][2] + window, len(text)),
+                self.config.snap,
+            )  # fmt: skip
+            if not spans or start > spans[-1][1]:
                 spans.append([start, end])
-                span_tasks.append(tasks)
+                span_items.append({})
+            spans[-1][1] = max(spans[-1][1], end)
+            for task, item in found:
+                span_items[-1].setdefault(task, set()).add(item)
         per_task: dict[str, int] = {}
-        for tasks in span_tasks:
-            for task in tasks:
+        for items in span_items:
+            for task in items:
                 per_task[task] = per_task.get(task, 0) + 1
-        return [(s, e) for s, e in spans], dict(sorted(per_task.items()))
+        matched = [{t: sorted(v) for t, v in sorted(items.items())} for items in span_items]
+        return [(s, e) for s, e in spans], dict(sorted(per_task.items())), matched
 
 
-def _pieces(text: str, spans: list[tuple[int, int]]) -> list[str]:
-    """The non-blank stretches of `text` around the removed spans, stripped."""
+def _snap(text: str, start: int, end: int, mode: str) -> tuple[int, int]:
+    """Widen [start, end) to the enclosing word (or sentence) boundaries; "none" leaves it.
+
+    A word edge moves at most `_MAX_WORD_SNAP` characters (a 5,000-character base64 "word"
+    is cut inside); a sentence edge further than `_MAX_SENTENCE_SNAP` falls back to a word edge.
+    """
+    if mode == "none":
+        return start, end
+    if mode == "sentence":
+        before = [
+            m.end() for m in _SENTENCE_END.finditer(text, max(start - _MAX_SENTENCE_SNAP, 0), start)
+        ]
+        after = _SENTENCE_END.search(text, max(end - 1, 0), end + _MAX_SENTENCE_SNAP)
+        if before and after:
+            return before[-1], after.end()
+        if start <= _MAX_SENTENCE_SNAP and not before:
+            start = 0  # the document's first sentence
+        if len(text) - end <= _MAX_SENTENCE_SNAP and not after:
+            end = len(text)
+    low, high = max(start - _MAX_WORD_SNAP, 0), min(end + _MAX_WORD_SNAP, len(text))
+    while start > low and not text[start - 1].isspace() and not text[start].isspace():
+        start -= 1
+    while end < high and not text[end].isspace() and not text[end - 1].isspace():
+        end += 1
+    return start, end
+
+
+def _span_record(
+    text: str, start: int, end: int, kind: str, matched: dict[str, list[int]] | None = None
+) -> dict[str, object]:
+    """How a removed stretch of text is reported: where, how long, and why."""
+    record: dict[str, object] = {
+        "start": start,
+        "chars": end - start,
+        "words": len(text[start:end].split()),
+        "kind": kind,
+    }
+    if matched is not None:
+        record["matched"] = matched
+    return record
+
+
+def _pieces(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The [start, end) of the non-blank stretches of `text` around the removed spans, stripped."""
     pieces, cursor = [], 0
     for start, end in [*spans, (len(text), len(text))]:
-        piece = text[cursor:start].strip()
-        if piece:
-            pieces.append(piece)
+        piece = text[cursor:start]
+        lead = len(piece) - len(piece.lstrip())
+        stripped = piece.strip()
+        if stripped:
+            pieces.append((cursor + lead, cursor + lead + len(stripped)))
         cursor = end
     return pieces

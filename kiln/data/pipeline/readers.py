@@ -15,6 +15,7 @@ Extract stage runs on them, and WARC records add `url` and `warc_record_id`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -145,20 +146,23 @@ def iter_records(
     issues: ReadIssues,
     start: int = 0,
     stop: int | None = None,
+    index: str = "",
 ) -> Iterator[Document | None]:
     """Yield the records of ordinals [start, stop) of one file: a Document or None if malformed.
 
     Issues (including those of records outside the range that the reader has to look at) are
     added to `issues` only by the range that owns them, so ranges covering a file report each
-    issue once. A missing or unreadable file raises KilnError.
+    issue once. A missing or unreadable file raises KilnError. `index` (txt, jsonl): the file's
+    byte-offset index (see `offsets`), read from the checkpoint before `start` instead of the
+    file from its beginning; the records and issues are the same.
     """
     span = _Range(start, stop)
     if fmt == "txt":
         if not separator:
             raise KilnError(f"{path}: the txt separator must not be empty")
-        return _iter_txt(path, separator.encode("utf-8"), issues, span)
+        return _iter_txt(path, separator.encode("utf-8"), issues, span, index)
     if fmt == "jsonl":
-        return _iter_jsonl(path, text_field, id_field, issues, span)
+        return _iter_jsonl(path, text_field, id_field, issues, span, index)
     if fmt == "parquet":
         return _iter_parquet(path, text_field, id_field, issues, span)
     if fmt == "html":
@@ -200,20 +204,34 @@ def count_records(
 # --- txt ------------------------------------------------------------------------------------
 
 
-def _iter_txt(path: str, sep: bytes, issues: ReadIssues, span: _Range) -> Iterator[Document | None]:
-    line = 1
-    ordinal = 0
-    for part, _, inline in iter_text_documents(path, sep):
-        if span.done(ordinal):
-            return
-        if span.wants(ordinal):
-            if inline:
-                # Not a separator line, so not a cut: the text stays, encoded as ordinary bytes.
-                detail = f"{inline} kept as text"
-                issues.add(path, line, INLINE_SEPARATOR, detail, record=ordinal)
-            yield _txt_document(path, part, line, ordinal, issues)
-        line += part.count(b"\n") + 1  # the document's lines and the separator line
-        ordinal += 1
+@contextlib.contextmanager
+def _lines_from(path: str, index: str, start: int) -> Iterator[tuple[Any, int, int]]:
+    """(lines, first ordinal, first line): the file from its start, or from its index."""
+    if not index:
+        with open_binary(path) as handle:
+            yield handle, 0, 1
+        return
+    from kiln.data.pipeline.offsets import open_at
+
+    with open_at(index, start) as found:
+        yield found
+
+
+def _iter_txt(
+    path: str, sep: bytes, issues: ReadIssues, span: _Range, index: str = ""
+) -> Iterator[Document | None]:
+    with _lines_from(path, index, span.start) as (lines, ordinal, line):
+        for part, _, inline in iter_text_documents(path, sep, lines):
+            if span.done(ordinal):
+                return
+            if span.wants(ordinal):
+                if inline:
+                    # Not a separator line, so not a cut: the text stays, as ordinary bytes.
+                    detail = f"{inline} kept as text"
+                    issues.add(path, line, INLINE_SEPARATOR, detail, record=ordinal)
+                yield _txt_document(path, part, line, ordinal, issues)
+            line += part.count(b"\n") + 1  # the document's lines and the separator line
+            ordinal += 1
     if ordinal == 0 and span.owns_eof(0):
         issues.add(path, None, "empty file")
 
@@ -255,11 +273,16 @@ def _count_lines(path: str) -> int:
 
 
 def _iter_jsonl(
-    path: str, text_field: str, id_field: str | None, issues: ReadIssues, span: _Range
+    path: str,
+    text_field: str,
+    id_field: str | None,
+    issues: ReadIssues,
+    span: _Range,
+    index: str = "",
 ) -> Iterator[Document | None]:
     ordinal = -1
-    with open_binary(path) as handle:
-        for ordinal, raw in enumerate(handle):
+    with _lines_from(path, index, span.start) as (handle, first, _):
+        for ordinal, raw in enumerate(handle, first):
             if span.done(ordinal):
                 return
             if span.wants(ordinal):

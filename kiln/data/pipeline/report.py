@@ -1,7 +1,9 @@
-"""`pipeline/report.html`: the funnel, the mixture, histograms and removed examples, one file.
+"""`pipeline/report.html`: the funnel, the mixture, histograms and example documents, one file.
 
 Self-contained HTML with inline SVG bars (no scripts, no network, no plotting library), so it
-opens anywhere and can be attached to a bug report as is.
+opens anywhere and can be attached to a bug report as is. Each number of the funnel table links
+to examples of the documents behind it: removed ones by reason, changed ones by stage, and the
+documents that reached the output.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ max-height:12em;overflow:auto;font-size:12px}.muted{color:#777}
 """
 
 
+class _Raw(str):
+    """Table cell content that is already HTML."""
+
+
 def _esc(value: Any) -> str:
-    return html.escape(str(value))
+    return value if isinstance(value, _Raw) else html.escape(str(value))
+
+
+def _link(text: str, anchor: str, targets: set[str]) -> str:
+    """`text` linking to `#anchor` when the page has that section, else plain."""
+    if anchor not in targets:
+        return html.escape(text)
+    return _Raw(f'<a href="#{html.escape(anchor)}">{html.escape(text)}</a>')
 
 
 def _table(header: list[str], rows: list[list[Any]], left: tuple[int, ...] = (0,)) -> str:
@@ -112,10 +125,26 @@ def _histograms(hists: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _removed_anchor(key: str) -> str:
+    """The section id of the removed examples of one `stage/reason`."""
+    return "removed-" + key.replace("/", "-")
+
+
+def _output_anchor(key: str) -> str:
+    """The section id of output examples: `kept`, `changed-<stage>`, `merged-<stage>`."""
+    return key.replace("/", "-")
+
+
+def _anchors(stats: dict[str, Any]) -> set[str]:
+    """Every example section the page will have."""
+    removed = {_removed_anchor(k) for k in stats.get("removed_samples", {})}
+    return removed | {_output_anchor(k) for k in stats.get("output_samples", {})}
+
+
 def _samples(samples: dict[str, list[dict[str, Any]]]) -> str:
     out = []
     for key in sorted(samples):
-        out.append(f"<h3>{_esc(key)}</h3>")
+        out.append(f"<h3 id='{_esc(_removed_anchor(key))}'>{_esc(key)}</h3>")
         for r in samples[key]:
             dup = f" — duplicate of {_esc(r['duplicate_of'])}" if r.get("duplicate_of") else ""
             out.append(
@@ -125,21 +154,64 @@ def _samples(samples: dict[str, list[dict[str, Any]]]) -> str:
     return "".join(out)
 
 
+_OUTPUT_TITLES = {
+    "kept": "documents that reached the output (each passed every stage)",
+    "changed": "documents {stage} changed (and kept)",
+    "merged": "kept documents that {stage} merged duplicates into",
+}
+
+
+def _output_samples(samples: dict[str, list[dict[str, Any]]]) -> str:
+    out = []
+    for key in sorted(samples, key=lambda k: (k != "kept", k)):
+        kind, _, stage = key.partition("/")
+        title = _OUTPUT_TITLES.get(kind, key).format(stage=stage)
+        out.append(f"<h3 id='{_esc(_output_anchor(key))}'>{_esc(title)}</h3>")
+        for r in samples[key]:
+            notes = [
+                f"{h['stage']}: {h['change']} ({h['chars_before']:,} -> {h['chars_after']:,} chars)"
+                for h in r.get("history", [])
+            ]
+            notes += [f"merged {d['id']} ({d['reason']})" for d in r.get("duplicates", [])]
+            out.append(
+                f"<div class='muted'>{_esc(r['id'])} ({_esc(r['file'])} record "
+                f"{_esc(r['ordinal'])})</div>"
+                + "".join(f"<div class='muted'>· {_esc(n)}</div>" for n in notes)
+                + f"<pre>{_esc(r.get('excerpt', ''))}</pre>"
+            )
+    return "".join(out)
+
+
+def _funnel_rows(funnel: list[dict[str, Any]], targets: set[str]) -> list[list[Any]]:
+    """The funnel table; every number links to examples of its documents where there are any."""
+    rows = []
+    for row in funnel:
+        stage = row["stage"]
+        reasons = sorted(row["removed"].items(), key=lambda x: -x[1])
+        links = [_link(f"{r}: {n:,}", _removed_anchor(f"{stage}/{r}"), targets) for r, n in reasons]
+        first = _removed_anchor(f"{stage}/{reasons[0][0]}") if reasons else ""
+        changed = row.get("changed", 0)
+        merged = f"merged-{stage}"
+        rows.append(
+            [
+                stage,
+                f"{row['in']:,}",
+                _link(f"{row['kept']:,}", "kept", targets),
+                _link(f"{row['in'] - row['kept']:,}", first, targets),
+                _link(f"{changed:,}", f"changed-{stage}", targets) if changed else "",
+                _Raw(", ".join(_esc(x) for x in links))
+                + (
+                    _Raw(f" ({_link('merged into', merged, targets)})") if merged in targets else ""
+                ),
+            ]
+        )
+    return rows
+
+
 def render_report(stats: dict[str, Any]) -> str:
     """The report page for a run's stats (as written to pipeline/stats.json)."""
     funnel = stats["funnel"]
-    funnel_rows = [
-        [
-            row["stage"],
-            f"{row['in']:,}",
-            f"{row['kept']:,}",
-            f"{row['in'] - row['kept']:,}",
-            ", ".join(
-                f"{r}: {n:,}" for r, n in sorted(row["removed"].items(), key=lambda x: -x[1])
-            ),
-        ]
-        for row in funnel
-    ]
+    funnel_rows = _funnel_rows(funnel, _anchors(stats))
     mix_rows = [
         [
             name,
@@ -171,7 +243,7 @@ def render_report(stats: dict[str, Any]) -> str:
         "".join(f"<p><b>warning:</b> {_esc(w)}</p>" for w in stats.get("warnings", [])),
         "<h2>Funnel</h2>",
         _funnel_svg(funnel),
-        _table(["stage", "in", "kept", "removed", "reasons"], funnel_rows, left=(0, 4)),
+        _table(["stage", "in", "kept", "removed", "changed", "reasons"], funnel_rows, left=(0, 5)),
         "<h2>Mixture (training split, in tokens)</h2>",
         _table(
             [
@@ -197,6 +269,8 @@ def render_report(stats: dict[str, Any]) -> str:
         _histograms(stats.get("histograms", {})),
         "<h2>Removed documents, examples by reason</h2>",
         _samples(stats.get("removed_samples", {})),
+        "<h2>Output documents, examples (with what changed them)</h2>",
+        _output_samples(stats.get("output_samples", {})),
     ]
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>kiln data report</title>"

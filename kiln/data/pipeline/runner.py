@@ -17,20 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kiln import config as cfgio
 from kiln.data.manifest import MANIFEST_NAME, Manifest
 from kiln.data.pipeline.config import InputFile, PipelineConfig, expand_sources
 from kiln.data.pipeline.executors import Executor, make_executor
 from kiln.data.pipeline.global_stages import GLOBAL_STATS, run_global_stages
-from kiln.data.pipeline.mix import SourceMix, plan_mixture
 from kiln.data.pipeline.records import (
     load_arrays,
     read_records,
-    unit_interval,
     write_records,
 )
+from kiln.data.pipeline.survivors import plan_copies, surviving_documents
 from kiln.data.pipeline.tasks import (
     STATS,
     FilterTask,
@@ -59,6 +56,8 @@ class RunOptions:
     address: str | None = None
     force: bool = False
     progress: bool = True
+    memory_mb: int = 2048  # per process in the global pass: it sets the number of partitions
+    partitions: int = 0  # the global pass's partitions (0: from memory_mb); never the output
 
 
 def _log(message: str, progress: bool) -> None:
@@ -140,13 +139,19 @@ def _check_inputs(cfg: PipelineConfig) -> None:
     load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
 
 
-def _count_task(file: InputFile, spec_args: dict[str, Any]) -> int:
+def _count_task(file: InputFile, spec_args: dict[str, Any], every: int, index: str) -> int:
+    """Count a file's records; a compressed txt/jsonl file's counting pass also writes its
+    byte-offset index (`index`), so that its tasks start at their own ranges."""
+    from kiln.data.pipeline.offsets import build_index, wants_index
     from kiln.data.pipeline.readers import count_records
 
+    if index and wants_index(file.path, file.format):
+        separator = spec_args["separator"].encode("utf-8")
+        return build_index(file.path, file.format, separator, every, index)
     return count_records(file.path, file.format, **spec_args)
 
 
-def _count_one(args: tuple[InputFile, dict[str, Any]]) -> int:
+def _count_one(args: tuple[InputFile, dict[str, Any], int, str]) -> int:
     return _count_task(*args)
 
 
@@ -175,13 +180,16 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
             )
         counts = plan["records"]
     else:
-        jobs = [(f, _reader_args(cfg, f.source)) for f in files]
+        jobs = [
+            (f, _reader_args(cfg, f.source), cfg.docs_per_task, _index_of(work, k, f))
+            for k, f in enumerate(files)
+        ]
         counts = [0] * len(files)
         for i, n in executor.map(_count_one, jobs, desc="count records", unit="file"):
             counts[i] = n
         write_json_atomic(plan_path, {"identity": identity, "records": counts})
     tasks: list[FilterTask] = []
-    for f, n in zip(files, counts, strict=True):
+    for k, (f, n) in enumerate(zip(files, counts, strict=True)):
         spec = next(s for s in cfg.sources if s.name == f.source)
         for start in range(0, max(n, 1), cfg.docs_per_task):
             tasks.append(
@@ -195,10 +203,18 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
                     text_field=spec.text_field,
                     id_field=spec.id_field,
                     separator=spec.separator,
+                    offset_index=_index_of(work, k, f) if n > cfg.docs_per_task else "",
                 )
             )
     _log(f"plan: {len(files)} files, {sum(counts):,} records, {len(tasks)} tasks", progress)
     return tasks
+
+
+def _index_of(work: Path, number: int, file: InputFile) -> str:
+    """The byte-offset index of the run's `number`-th input file, if it gets one ("" if not)."""
+    from kiln.data.pipeline.offsets import index_path, wants_index
+
+    return index_path(work, number) if wants_index(file.path, file.format) else ""
 
 
 def _run_missing(
@@ -216,52 +232,18 @@ def _run_missing(
         pass
 
 
+def _in_order(executor: Executor, desc: str) -> Any:
+    """`executor.map` as a list of results in job order (the global pass's mapper)."""
+
+    def run(fn: Any, jobs: Any) -> list[Any]:
+        results = executor.map(fn, jobs, desc=desc, unit="job")
+        return [r for _, r in sorted(results, key=lambda item: item[0])]
+
+    return run
+
+
 def _load_stats(task_dir: Path) -> dict[str, Any]:
     return json.loads((task_dir / STATS).read_text())
-
-
-def _surviving_documents(tok_tasks: list[TokenizeTask], work: Path) -> list[dict[str, Any]]:
-    """Every document that survived, in task order: its record, split and where its tokens are."""
-    docs: list[dict[str, Any]] = []
-    for t in tok_tasks:
-        lengths = np.load(t.dir / "lengths.npy")
-        is_val = load_arrays(work / "global" / f"{t.index:06d}.npz")["val_kept"]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        for j, record in enumerate(read_records(t.dir / "docs.jsonl.zst")):
-            record.update(
-                task=t.index,
-                start=int(offsets[j]),
-                length=int(lengths[j]),
-                split="val" if is_val[j] else "train",
-            )
-            docs.append(record)
-    return docs
-
-
-def _copies(cfg: PipelineConfig, docs: list[dict[str, Any]]) -> tuple[np.ndarray, dict[str, Any]]:
-    """How many times each document is written (validation: once), and the mixture summary."""
-    train_of: dict[str, list[int]] = {spec.name: [] for spec in cfg.sources}
-    for i, d in enumerate(docs):
-        if d["split"] == "train":
-            train_of[d["source"]].append(i)
-    mixes = [
-        SourceMix(
-            name=spec.name,
-            share=spec.share,
-            rate=spec.rate,
-            order_keys=np.array(
-                [unit_interval(cfg.seed, "mix", docs[i]["id"]) for i in train_of[spec.name]],
-                dtype=np.float64,
-            ),
-            lengths=np.array([docs[i]["length"] for i in train_of[spec.name]], dtype=np.int64),
-        )
-        for spec in cfg.sources
-    ]
-    repeats, summary = plan_mixture(mixes)
-    copies = np.ones(len(docs), dtype=np.int64)
-    for name, indices in train_of.items():
-        copies[np.array(indices, dtype=np.int64)] = repeats[name]
-    return copies, summary
 
 
 def _funnel(
@@ -292,6 +274,7 @@ def _funnel(
                 "kept": total_in - sum(removed.values()),
                 "removed": removed,
                 "by_source": by_source,
+                "changed": sum(s.get("changed", {}).get(name, 0) for s in filter_stats),
             }
         )
     rows.extend(global_stats["funnel"])
@@ -322,10 +305,23 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         global_dir = work / "global"
         if not (global_dir / GLOBAL_STATS).is_file():
             _log("dedup + decontaminate: global pass", opts.progress)
-            run_global_stages(cfg, [t.dir for t in tasks], global_dir)
+            run_global_stages(
+                cfg,
+                [t.dir for t in tasks],
+                global_dir,
+                _in_order(executor, "global pass"),
+                opts.memory_mb << 20,
+                opts.partitions,
+            )
         global_stats = json.loads((global_dir / GLOBAL_STATS).read_text())
         tok_tasks = [
-            TokenizeTask(t.index, str(work), cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+            TokenizeTask(
+                t.index,
+                str(work),
+                cfg.tokenize.tokenizer,
+                cfg.tokenize.eot_token,
+                cfg.removed_samples,
+            )
             for t in tasks
         ]
         kept = [int(load_arrays(global_dir / f"{t.index:06d}.npz")["keep"].sum()) for t in tasks]
@@ -333,8 +329,8 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     finally:
         executor.close()
     tok_stats = [_load_stats(t.dir) for t in tok_tasks]
-    docs = _surviving_documents(tok_tasks, work)
-    copies, mix_summary = _copies(cfg, docs)
+    docs = surviving_documents(cfg, work, [t.index for t in tok_tasks])
+    copies, mix_summary = plan_copies(cfg, docs)
     warnings = [
         f"source {name!r} has no training documents left after filtering"
         + ("; its share is not met" if m["target_share"] else "")
@@ -353,6 +349,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         "read_issues": _merge_issues(filter_stats),
         "histograms": _merge_histograms(filter_stats),
         "removed_samples": samples,
+        "output_samples": _merge_samples(tok_stats, cfg.removed_samples),
         "digest": run_digest(cfg),
         "warnings": warnings,
     }
@@ -368,6 +365,16 @@ def _merge_decontam(tok_stats: list[dict[str, Any]]) -> dict[str, dict[str, int]
             entry = merged.setdefault(task, {"documents": 0, "spans": 0, "dropped": 0})
             for key, n in counts.items():
                 entry[key] = entry.get(key, 0) + n
+    return dict(sorted(merged.items()))
+
+
+def _merge_samples(tok_stats: list[dict[str, Any]], limit: int) -> dict[str, list[Any]]:
+    """The first few example output documents per kind, in task order."""
+    merged: dict[str, list[Any]] = {}
+    for s in tok_stats:
+        for key, records in s.get("samples", {}).items():
+            bucket = merged.setdefault(key, [])
+            bucket.extend(records[: limit - len(bucket)])
     return dict(sorted(merged.items()))
 
 

@@ -29,11 +29,22 @@ from kiln.data.pipeline.records import (
 from kiln.io import write_json_atomic
 
 STATS = "stats.json"
+EXACT_ROWS = "exact_rows"  # the task's exact keys and near-dedup band keys, hash-sliced
+NEAR_ROWS = "near_rows"
 EXCERPT_CHARS = 600
 CHAR_BINS = np.arange(0.0, 7.01, 0.25)  # log10 of document length in characters
 SCORE_BINS = np.linspace(0.0, 1.0, 21)
 # Why a document that reached decontamination is dropped there (0: kept).
 DECONTAM_CODES = ("", "decontaminate.too_many_pieces", "decontaminate.empty")
+# What a per-document stage did when it rewrote a document's text, and the meta keys that say
+# how (the document's history in the shard's document map records both).
+CHANGES = {
+    "extract": ("extracted the main text of an HTML page", ()),
+    "normalise": ("normalised Unicode and whitespace", ()),
+    "c4": ("removed lines that break C4's line rules", ("c4_lines_removed",)),
+    "pii": ("redacted e-mail and IP addresses", ("pii",)),
+    "decontaminate": ("cut passages matching evaluation sets", ("decontam", "decontam_cuts")),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class FilterTask:
     text_field: str
     id_field: str
     separator: str
+    offset_index: str = ""  # the file's byte-offset index, if it has one (see `offsets`)
 
     @property
     def dir(self) -> Path:
@@ -64,6 +76,7 @@ class TokenizeTask:
     workdir: str
     tokenizer: str
     eot_token: str
+    samples: int = 5  # output documents kept as examples per kind (see `_add_samples`)
 
     @property
     def dir(self) -> Path:
@@ -137,9 +150,24 @@ def _removal(doc: Document, stage: str, reason: str, excerpt: bool) -> dict[str,
     return record
 
 
+def _change(doc: Document, stage: str, before: str) -> dict[str, Any]:
+    """A history entry: which stage rewrote the document, why, and its size before and after."""
+    what, keys = CHANGES.get(stage, ("rewrote the text", ()))
+    entry: dict[str, Any] = {
+        "stage": stage,
+        "change": what,
+        "chars_before": len(before),
+        "chars_after": len(doc.text),
+    }
+    entry.update({key: doc.meta[key] for key in keys if key in doc.meta})
+    return entry
+
+
 def run_filter_task(task: FilterTask) -> dict[str, Any]:
     """Read, filter and fingerprint one slice of an input file; write the results; return stats."""
     from kiln.data.pipeline.exact_dedup import exact_key, keys_array
+    from kiln.data.pipeline.global_stages import nodes_of
+    from kiln.data.pipeline.partitioned import write_exact_rows, write_near_rows
     from kiln.data.pipeline.readers import ReadIssues, iter_records
 
     cfg, f = task.config, task.file
@@ -155,9 +183,11 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         issues=issues,
         start=task.start,
         stop=task.stop,
+        index=task.offset_index,
     )
     stage_in: Counter[str] = Counter()
     removed_by: dict[str, Counter[str]] = {name: Counter() for name, _ in stages}
+    changed_by: Counter[str] = Counter()
     removed: list[dict[str, Any]] = []
     kept: list[Document] = []
     chars, scores = [], []
@@ -173,22 +203,43 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         doc.meta["ordinal"] = ordinal
         chars.append(math.log10(max(len(doc.text), 1)))
         reason_stage = None
+        history: list[dict[str, Any]] = []
         for name, stage in stages:
             stage_in[name] += 1
+            before = doc.text
             reason = stage.apply(doc)
             if name == "language" and "lang_score" in doc.meta:
                 scores.append(float(doc.meta["lang_score"]))
             if reason is not None:
                 reason_stage = (name, reason)
                 break
+            if doc.text != before:
+                history.append(_change(doc, name, before))
+                changed_by[name] += 1
         if reason_stage is not None:
             name, reason = reason_stage
             removed_by[name][reason] += 1
             sample = removed_by[name][reason] <= cfg.removed_samples
             removed.append(_removal(doc, name, reason, sample))
             continue
+        doc.meta["history"] = history
         kept.append(doc)
 
+    # Decontamination runs after dedup in the funnel, but its verdict needs only the document,
+    # so it is computed here and applied by the global pass to the dedup survivors. It runs
+    # before the fingerprints are taken, so dedup compares the text that is written: a copy
+    # that a cut turned into a prefix of another document is still found as a near duplicate.
+    codes = np.zeros(len(kept), dtype=np.int8)
+    cut = np.zeros(len(kept), dtype=bool)
+    if decontam is not None:
+        originals = [d.text for d in kept]
+        for i, reason in enumerate(decontam.apply_batch(kept)):
+            if reason is not None:
+                codes[i] = DECONTAM_CODES.index(reason)
+                kept[i].meta["decontam_excerpt"] = originals[i][:EXCERPT_CHARS]
+            elif kept[i].text != originals[i]:
+                cut[i] = True
+                kept[i].meta["history"].append(_change(kept[i], "decontaminate", originals[i]))
     is_val = np.array(
         [unit_interval(cfg.seed, "val", d.id) < cfg.split.val_fraction for d in kept], dtype=bool
     )
@@ -196,20 +247,14 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     if cfg.dedup.near.enabled and kept:
         hasher = _minhasher(cfg)
         bands = hasher.band_keys(hasher.signatures([d.text for d in kept]))
-    else:  # same width for every task, so the runner can stack them
-        width = cfg.dedup.near.bands if cfg.dedup.near.enabled else 0
-        bands = np.zeros((len(kept), width), dtype=np.uint64)
-    # Decontamination runs after dedup in the funnel; its per-document verdict is computed here
-    # (it needs only the document) and applied by the runner to the dedup survivors.
-    codes = np.zeros(len(kept), dtype=np.int8)
-    if decontam is not None:
-        originals = [d.text for d in kept]
-        for i, reason in enumerate(decontam.apply_batch(kept)):
-            if reason is not None:
-                codes[i] = DECONTAM_CODES.index(reason)
-                kept[i].meta["decontam_excerpt"] = originals[i][:EXCERPT_CHARS]
+    else:
+        bands = np.zeros((len(kept), 0), dtype=np.uint64)
 
     task.dir.mkdir(parents=True, exist_ok=True)
+    # The global pass reads these hash-sliced, a partition at a time (see `partitioned`).
+    nodes = nodes_of(task.index, is_val)
+    write_exact_rows(task.dir / f"{EXACT_ROWS}.npy", exact, nodes)
+    write_near_rows(task.dir / f"{NEAR_ROWS}.npy", bands, nodes)
     write_records(
         task.dir / "docs.jsonl.zst",
         ({"id": d.id, "source": d.source, "text": d.text, "meta": d.meta} for d in kept),
@@ -217,10 +262,9 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     write_records(task.dir / "removed.jsonl.zst", removed)
     save_arrays(
         task.dir / "keys.npz",
-        exact=exact,
-        bands=bands,
         is_val=is_val,
         decontam=codes,
+        cut=cut,
         ordinal=np.array([d.meta["ordinal"] for d in kept], dtype=np.int64),
         ids=np.array([d.id for d in kept], dtype=str),
     )
@@ -233,6 +277,7 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         "kept": len(kept),
         "stage_in": dict(stage_in),
         "removed": {k: dict(v) for k, v in removed_by.items() if v},
+        "changed": dict(changed_by),
         "issues": issues.to_json(),
         "hist": {
             "log10_chars": _histogram(chars, CHAR_BINS),
@@ -253,13 +298,18 @@ def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
 
 def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     """Encode the documents of one filter task that the global stages kept; return stats."""
+    from kiln.data.pipeline.global_stages import read_clusters
+    from kiln.data.pipeline.survivors import write_doc_records
     from kiln.data.shard_format import dtype_for_vocab
     from kiln.data.tokenize_shards import encode_documents
 
     filter_dir = Path(task.workdir) / "filter" / f"{task.index:06d}"
-    decision = load_arrays(Path(task.workdir) / "global" / f"{task.index:06d}.npz")
+    global_dir = Path(task.workdir) / "global"
+    decision = load_arrays(global_dir / f"{task.index:06d}.npz")
     keep, reached = decision["keep"], decision["reached_decontam"]
+    clusters = read_clusters(global_dir, task.index)
     texts, docs = [], []
+    samples: dict[str, list[dict[str, Any]]] = {}
     decontam: dict[str, dict[str, int]] = {}
     for i, record in enumerate(read_records(filter_dir / "docs.jsonl.zst")):
         if reached[i]:
@@ -270,22 +320,39 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
                 entry["dropped"] += int(not keep[i])
         if keep[i]:
             texts.append(record["text"])
-            docs.append(
-                {
-                    "id": record["id"],
-                    "source": record["source"],
-                    "file": record["meta"].get("file", ""),
-                    "ordinal": record["meta"].get("ordinal", -1),
-                }
-            )
+            doc = {
+                "id": record["id"],
+                "source": record["source"],
+                "file": record["meta"].get("file", ""),
+                "ordinal": record["meta"].get("ordinal", -1),
+                "history": record["meta"].get("history", []),
+                "duplicates": clusters.get(i, []),
+            }
+            docs.append(doc)
+            _add_samples(samples, doc, record["text"], task.samples)
     tok, eot_id = _tokenizer(task.tokenizer, task.eot_token)
     dtype = dtype_for_vocab(tok.n_vocab)
     flat, lengths = encode_documents(tok, texts, eot_id, dtype)
     task.dir.mkdir(parents=True, exist_ok=True)
     save_array(task.dir / "tokens.npy", flat)
     save_array(task.dir / "lengths.npy", lengths)
-    write_records(task.dir / "docs.jsonl.zst", docs)
+    write_doc_records(task.dir, docs)
     stats = {"task": task.index, "documents": len(docs), "tokens": int(flat.shape[0])}
     stats["decontam"] = decontam
+    stats["samples"] = samples
     write_json_atomic(task.dir / STATS, stats)
     return stats
+
+
+def _add_samples(
+    samples: dict[str, list[dict[str, Any]]], doc: dict[str, Any], text: str, limit: int
+) -> None:
+    """Keep the first few output documents as examples: any, and per stage that changed them
+    (`changed/<stage>`) or merged duplicates into them (`merged/<stage>`)."""
+    keys = ["kept"]
+    keys += [f"changed/{h['stage']}" for h in doc["history"]]
+    keys += sorted({f"merged/{d['stage']}" for d in doc["duplicates"]})
+    for key in keys:
+        bucket = samples.setdefault(key, [])
+        if len(bucket) < limit:
+            bucket.append({**doc, "excerpt": text[:EXCERPT_CHARS]})

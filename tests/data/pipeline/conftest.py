@@ -13,17 +13,22 @@ import pytest
 from kiln.tokenizer.special import EOT
 
 
+def bench_module(name: str) -> ModuleType:
+    """bench/<name>.py as a module."""
+    path = Path(__file__).resolve().parents[3] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def filter_bench() -> ModuleType:
     """bench/data_filters.py as a module (kiln and datatrove filters, configured alike)."""
     pytest.importorskip("datatrove")
     pytest.importorskip("nltk")
-    path = Path(__file__).resolve().parents[3] / "bench" / "data_filters.py"
-    spec = importlib.util.spec_from_file_location("bench_data_filters", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("data_filters")
 
 
 # Eight lines of plain English prose (130 words), every line one sentence: passes every filter.

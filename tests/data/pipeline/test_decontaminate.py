@@ -108,12 +108,42 @@ def test_planted_passage_is_cut_out_with_its_window(
     before, after = filler[0][:1200], filler[1][:1200]
     text = f"{before}\n{passage}\n{after}"
     doc = Document("d", text, "web", {})
-    assert Decontaminator(DecontamConfig(), index).apply(doc) is None
+    assert Decontaminator(DecontamConfig(snap="none"), index).apply(doc) is None
     assert doc.meta["decontam"] == {task: 1}
     start = len(before) + 1
     end = start + len(passage)  # the passage ends in a word character or "."
     expected = f"{text[: start - 200].strip()}\n\n{text[end + 200 :].strip()}"
     assert doc.text == expected
+    (cut,) = doc.meta["decontam_cuts"]
+    assert (cut["start"], cut["chars"]) == (start - 200, end - start + 400)
+    assert cut["words"] == len(text[start - 200 : end + 200].split())
+    assert cut["kind"] == "match" and list(cut["matched"]) == [task]
+
+
+def test_cuts_snap_to_word_and_sentence_boundaries(
+    index: EvalNgramIndex, eval_dir: Path, filler: list[str]
+) -> None:
+    passage = hellaswag_passage(eval_dir)
+    before = " ".join(filler[0].split())[:1200].strip()
+    after = " ".join(filler[1].split())[:1200].strip()
+    text = f"{before}\n{passage}\n{after}"
+    words = set(text.split())
+    for snap in ("word", "sentence"):
+        doc = Document("d", text, "web", {})
+        assert Decontaminator(DecontamConfig(snap=snap), index).apply(doc) is None
+        head, tail = doc.text.split("\n\n")
+        # Every word left is a whole word of the original: no cut lands inside one.
+        assert set(doc.text.split()) <= words
+        assert text.startswith(head) and text.endswith(tail)
+        (cut,) = doc.meta["decontam_cuts"]
+        assert cut["chars"] >= len(passage) + 400
+        assert cut["matched"] == {"hellaswag": [1]}  # the second item of the file
+        if snap == "sentence":
+            assert head[-1] in ".!?\"'" and tail[0].isupper()
+    # Without snapping, the 200-character windows end mid-word here (the case the snap fixes).
+    doc = Document("d", text, "web", {})
+    Decontaminator(DecontamConfig(snap="none"), index).apply(doc)
+    assert not set(doc.text.split()) <= words
 
 
 def test_clean_documents_are_untouched(index: EvalNgramIndex, filler: list[str]) -> None:
@@ -139,7 +169,7 @@ def test_document_split_into_too_many_pieces_is_dropped(
     doc = Document("d", text, "web", {})
     loose = Decontaminator(DecontamConfig(max_pieces=11, min_piece_chars=50), index)
     assert loose.apply(doc) is None
-    assert all(chunk[200:300] in doc.text for chunk in chunks[1:-1])
+    assert all(chunk[230:270] in doc.text for chunk in chunks[1:-1])  # words snap outwards
     assert "Shane gripped" not in doc.text
 
 
@@ -202,6 +232,8 @@ def test_bad_eval_files_are_clear_errors(
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"decontaminate\.max_pieces"):
         DecontamConfig(max_pieces=0)
+    with pytest.raises(ConfigError, match=r"decontaminate\.snap = 'words'"):
+        DecontamConfig(snap="words")
 
 
 def test_batch_gives_the_same_verdicts_and_texts(
@@ -247,8 +279,9 @@ def test_a_passage_in_two_tasks_is_reported_under_both(tmp_path: Path) -> None:
     assert index.tasks_of(np.array([12345], dtype=np.uint64)) == [[]]
     text = "x" * 500 + " " + sentence.upper() + "! " + "y" * 500
     doc = Document("d", text, "web", {})
-    assert Decontaminator(DecontamConfig(), index).apply(doc) is None
+    assert Decontaminator(DecontamConfig(snap="none"), index).apply(doc) is None
     assert doc.meta["decontam"] == {"task_a": 1, "task_b": 1}
+    assert doc.meta["decontam_cuts"][0]["matched"] == {"task_a": [0], "task_b": [0]}
     start, end = 501, 501 + len(sentence) + 1
     assert doc.text == text[: start - 200] + "\n\n" + text[end + 200 :]
 

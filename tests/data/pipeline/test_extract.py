@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import time
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +94,78 @@ def test_stage_pickles_as_its_config(stage: Extract) -> None:
     stage.apply(first)
     again.apply(second)
     assert first.text == second.text
+
+
+def _slow_on_marker(real):
+    """An extractor that hangs (in Python code, as trafilatura's loops do) on a marked page."""
+
+    def extract(html: str, **kwargs):
+        if "PATHOLOGICAL" in html:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                sum(range(1000))
+        return real(html, **kwargs)
+
+    return extract
+
+
+def test_a_page_over_the_time_limit_is_removed_and_the_limit_is_released() -> None:
+    stage = Extract(ExtractConfig(timeout_s=0.2))
+    stage._extract = _slow_on_marker(stage._extract)
+    started = time.monotonic()
+    assert (
+        stage.apply(html_doc(PAGE.replace("</main>", "PATHOLOGICAL</main>"))) == "extract.timeout"
+    )
+    assert time.monotonic() - started < 30  # not the 60 s the page would take
+    assert stage.apply(html_doc(PAGE)) is None and ARTICLE in PAGE
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_pipeline_skips_and_logs_a_pathological_page(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trafilatura
+
+    from kiln.data.pipeline.config import load_pipeline_config
+    from kiln.data.pipeline.records import read_records
+    from kiln.data.pipeline.runner import RunOptions, run_pipeline
+
+    monkeypatch.setattr(trafilatura, "extract", _slow_on_marker(trafilatura.extract))
+    (tmp_path / "pages").mkdir()
+    for i in range(3):
+        marker = "PATHOLOGICAL" if i == 1 else ""
+        page = PAGE.replace("</main>", f"{marker}</main>").replace("Kiln", f"Kiln{i}")
+        (tmp_path / "pages" / f"p{i}.html").write_text(page, encoding="utf-8")
+    (tmp_path / "p.toml").write_text(
+        f"""
+[[sources]]
+name = "pages"
+paths = ["pages/*.html"]
+[extract]
+timeout_s = 0.3
+[quality.gopher_quality]
+enabled = false
+[quality.c4]
+enabled = false
+[quality.fineweb]
+enabled = false
+[dedup.near]
+enabled = false  # the three pages are near duplicates of each other
+[split]
+val_fraction = 0.0
+[tokenize]
+tokenizer = "{shared_data}/gpt2/vocab.json"
+""",
+        encoding="utf-8",
+    )
+    out = tmp_path / "out"
+    run_pipeline(
+        load_pipeline_config(tmp_path / "p.toml"), RunOptions(out=str(out), progress=False)
+    )
+    removed = list(read_records(out / "pipeline" / "removed.jsonl.zst"))
+    assert [(Path(r["file"]).name, r["reason"]) for r in removed] == [
+        ("p1.html", "extract.timeout")
+    ]
+    kept = {r["id"] for p in out.glob("train_*.docs.jsonl.zst") for r in read_records(p)}
+    assert len(kept) == 2

@@ -218,6 +218,15 @@ def test_two_workers_give_byte_identical_output(
     assert _fingerprint(tmp_path / "two") == _fingerprint(baseline)
 
 
+def test_global_pass_partitions_give_byte_identical_output(
+    corpus: dict[str, Any], baseline: Path, tmp_path: Path
+) -> None:
+    """The baseline's global pass fits one partition; split into 3 and 7 it must not change."""
+    for parts in (3, 7):
+        _run(corpus, tmp_path / f"p{parts}", workers=2, partitions=parts)
+        assert _fingerprint(tmp_path / f"p{parts}") == _fingerprint(baseline)
+
+
 def test_ray_gives_byte_identical_output(
     corpus: dict[str, Any], baseline: Path, tmp_path: Path
 ) -> None:

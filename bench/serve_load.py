@@ -1,0 +1,294 @@
+"""A bounded load test of `kiln serve`: N concurrent streaming clients on loopback, a fixed
+number of requests, against the engine's own throughput offline with the same concurrency.
+
+    .venv/bin/python bench/serve_load.py runs/demo-20261201-110757
+    .venv/bin/python bench/serve_load.py MODEL --clients 8 --requests 64 --max-tokens 64
+
+The server is a real `kiln serve MODEL --port 0` subprocess. Each client thread streams one
+request at a time (SSE, `stream_options.include_usage`) until the fixed number of requests is
+spent. Reported: requests/s, generated tokens/s, time to first token and the gap between
+streamed tokens (p50/p99), failed requests, and the server's resident memory after a warm-up
+and after the load. The offline figure runs the same requests through `Engine` in this process
+(engine loop in a thread, the same number of client threads submitting and iterating handles,
+no HTTP), so the ratio is what HTTP, JSON and SSE cost; one more row hands every request to
+`engine.generate` at once. Offline and HTTP runs alternate for `--rounds` rounds, so load from
+other processes hits both alike. The server's memory is read after every HTTP round: growth
+that stops is the KV block pool's pages being written for the first time (the pool is
+allocated empty; the bench prints its size) or glibc's per-thread malloc arenas keeping freed
+memory (`--malloc-arena-max 2` caps them); growth that goes on would be a leak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = [
+    "Once upon a time, there was a little dog named",
+    "Lily and Tom went to the park. They saw",
+    "One day, a small bird found a shiny",
+    "The sun was warm and the sky was blue. A cat",
+]
+
+
+@dataclass
+class Load:
+    """What one load run measured."""
+
+    wall_s: float = 0.0
+    requests: int = 0
+    failures: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive streamed tokens
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, lock: threading.Lock, sent: float, stamps: list[float], tokens: int) -> None:
+        """One finished request: sent at `sent`, text arriving at `stamps`, `tokens` in all."""
+        with lock:
+            self.requests += 1
+            self.tokens += tokens
+            self.ttft.append((stamps[0] if stamps else time.perf_counter()) - sent)
+            self.gaps += [b - a for a, b in itertools.pairwise(stamps)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of values; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def run_clients(clients: int, requests: int, one: callable) -> Load:  # type: ignore[valid-type]
+    """`clients` threads call one(i, load) until `requests` calls are spent."""
+    load, lock, counter = Load(), threading.Lock(), iter(range(requests))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            try:
+                one(i, load, lock)
+            except Exception as exc:  # a failed request is counted, the load goes on
+                with lock:
+                    load.failures += 1
+                    load.errors.append(repr(exc)[:200])
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    load.wall_s = time.perf_counter() - start
+    return load
+
+
+def http_request(url: str, model: str, max_tokens: int, temperature: float):  # type: ignore[no-untyped-def]
+    """One streaming client request against the server at `url`, recorded into a Load."""
+    import httpx2 as httpx
+
+    local = threading.local()
+
+    def one(i: int, load: Load, lock: threading.Lock) -> None:
+        http = getattr(local, "http", None) or httpx.Client(timeout=120)
+        local.http = http
+        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
+                "temperature": temperature, "seed": i, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        sent = time.perf_counter()
+        stamps, used, done = [], None, False
+        with http.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk.get("usage"):
+                    used = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    stamps.append(time.perf_counter())
+        if not done or used is None:
+            raise RuntimeError("stream ended without usage and [DONE]")
+        load.add(lock, sent, stamps, used)
+
+    return one
+
+
+def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore[no-untyped-def]
+    """The same request straight on the engine (no HTTP), recorded into a Load."""
+    from kiln.serve.sampling import SamplingParams
+
+    tok = engine.tokenizer
+
+    def one(i: int, load: Load, lock: threading.Lock) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
+        sent = time.perf_counter()
+        handle = engine.submit(tok.encode(PROMPTS[i % len(PROMPTS)]), params)
+        stamps, count = [], 0
+        for event in handle:
+            count += 1
+            if event.text:  # as the HTTP client sees it: tokens that released text
+                stamps.append(time.perf_counter())
+        load.add(lock, sent, stamps, count)
+
+    return one
+
+
+def engine_batch(engine, requests: int, max_tokens: int, temperature: float) -> Load:  # type: ignore[no-untyped-def]
+    """Every request handed to engine.generate at once: the engine's best batched throughput."""
+    from kiln.serve.sampling import SamplingParams
+
+    prompts = [engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
+              for i in range(requests)]  # fmt: skip
+    start = time.perf_counter()
+    done = engine.generate(prompts, params)
+    load = Load(wall_s=time.perf_counter() - start, requests=requests)
+    load.tokens = sum(len(c.token_ids) for sample in done for c in sample)
+    return load
+
+
+def start_server(
+    model: str, max_concurrent: int, arenas: int | None
+) -> tuple[subprocess.Popen[str], str, str]:
+    """`kiln serve MODEL --port 0` (glibc malloc arenas capped when asked); its process, base
+    URL and model name."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if arenas is not None:
+        env["MALLOC_ARENA_MAX"] = str(arenas)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "serve", model, "--port", "0",
+         "--max-concurrent", str(max_concurrent)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        found = re.search(r"model '([^']+)' at (http://127\.0\.0\.1:\d+)/", line)
+        if found:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return proc, found.group(2), found.group(1)
+    raise SystemExit(f"kiln serve did not start (exit {proc.wait()})")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB."""
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def summary(name: str, load: Load) -> dict[str, object]:
+    """One table row's numbers."""
+    return {
+        "run": name, "requests": load.requests, "failed": load.failures,
+        "req_per_s": load.requests / load.wall_s, "tok_per_s": load.tokens / load.wall_s,
+        "ttft_p50_ms": 1e3 * percentile(load.ttft, 50), "ttft_p99_ms": 1e3 * percentile(load.ttft, 99),
+        "tpot_p50_ms": 1e3 * percentile(load.gaps, 50), "tpot_p99_ms": 1e3 * percentile(load.gaps, 99),
+        "wall_s": load.wall_s,
+    }  # fmt: skip
+
+
+def main() -> None:
+    """Parse the arguments, run the rounds, print the table."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", help="a model folder kiln loads (e.g. runs/demo-…)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=64, help="requests per run")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--rounds", type=int, default=2, help="offline/HTTP pairs, alternating")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument(
+        "--malloc-arena-max", type=int, default=None,
+        help="MALLOC_ARENA_MAX for the server (glibc's per-thread arenas hold freed memory)",
+    )  # fmt: skip
+    args = p.parse_args()
+
+    import torch
+
+    from kiln.loading import load_model
+    from kiln.serve.block_pool import block_bytes
+    from kiln.serve.engine import Engine
+
+    proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
+    try:
+        loaded = load_model(args.model)
+        engine = Engine.from_loaded(loaded)
+        engine.start()
+        print(f"model {loaded.source}; precision {loaded.precision.name}; torch threads "
+              f"{torch.get_num_threads()}; {args.clients} clients x {args.requests} requests "
+              f"of {args.max_tokens} tokens", flush=True)  # fmt: skip
+        warm = http_request(url, name, args.max_tokens, args.temperature)
+        run_clients(args.clients, args.clients, warm)  # warm-up: first-request costs, caches
+        run_clients(
+            args.clients, args.clients, engine_request(engine, args.max_tokens, args.temperature)
+        )
+        before = rss_mib(proc.pid)
+        rows, rss = [], []
+        batched = engine_batch(engine, args.requests, args.max_tokens, args.temperature)
+        rows.append(summary("engine.generate, all requests at once", batched))
+        for r in range(args.rounds):
+            offline = run_clients(args.clients, args.requests,
+                                  engine_request(engine, args.max_tokens, args.temperature))  # fmt: skip
+            rows.append(summary(f"engine offline (round {r + 1})", offline))
+            http = run_clients(args.clients, args.requests,
+                               http_request(url, name, args.max_tokens, args.temperature))  # fmt: skip
+            rows.append(summary(f"HTTP kiln serve (round {r + 1})", http))
+            for e in http.errors[:3]:
+                print("  failure:", e)
+            rss.append(rss_mib(proc.pid))
+        after = rss[-1]
+        engine.stop()
+    finally:
+        proc.terminate()
+        code = proc.wait(timeout=60)
+
+    cols = ["run", "requests", "failed", "req_per_s", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
+            "tpot_p50_ms", "tpot_p99_ms", "wall_s"]  # fmt: skip
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for row in rows:
+        cells = [f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c]) for c in cols]
+        print("| " + " | ".join(cells) + " |")
+    off = statistics.mean(float(r["tok_per_s"]) for r in rows if "offline" in str(r["run"]))
+    on = statistics.mean(float(r["tok_per_s"]) for r in rows if "HTTP" in str(r["run"]))
+    print(f"HTTP / offline tokens/s: {on / off:.2f} (mean of {args.rounds} rounds each)")
+    rounds = ", ".join(f"{m:.0f}" for m in rss)
+    pool_mib = engine.pool.num_blocks * block_bytes(loaded.model.cfg, engine.pool.block_size,
+                                                    engine.pool.k.dtype) / 2**20  # fmt: skip
+    print(f"KV block pool: {engine.pool.num_blocks} blocks, {pool_mib:.0f} MiB (allocated empty: "
+          "its pages join the RSS as blocks are first written)")  # fmt: skip
+    print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
+          f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "rss_before_mib": before,
+                                               "rss_after_rounds_mib": rss, "exit": code}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

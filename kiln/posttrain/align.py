@@ -1,0 +1,314 @@
+"""`kiln dpo`, `kiln reward` and `kiln rl`: run configs, and the run folder each trains into.
+
+A run starts from a chat model (`policy.base`, an SFT run in the usual chain) and writes a kiln
+run folder: `config.toml` (resolved), `tokenizer.json` (the base's, so the run loads on its own),
+`metrics.jsonl`, `checkpoints/step_N/` (the policy as `model.safetensors`, loadable by every
+command through kiln.loading) and `report/` (a PNG of the logged curves).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln import config as cfgio
+from kiln.config import require
+from kiln.errors import KilnError
+from kiln.folders import remove_dir
+from kiln.io import atomic_write, sha256_file
+from kiln.loading import LoadedModel, find_checkpoint, load_model
+from kiln.posttrain.chat_data import split_file
+from kiln.posttrain.dpo import DPOConfig, TokenPair
+from kiln.posttrain.preferences import read_pairs, tokenize_pair
+from kiln.posttrain.reward_model import RewardConfig, load_reward_model, score_sequences
+from kiln.posttrain.rl import RLConfig
+from kiln.posttrain.tasks import score
+from kiln.tokenizer.chat import render, require_chat_template
+from kiln.train.checkpoint import latest_checkpoint, read_state
+
+
+@dataclass(frozen=True)
+class PolicySection:
+    """The model to start from and the frozen reference (default: the same model)."""
+
+    base: str = ""
+    reference: str = ""
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        """A run needs a base model."""
+        require(bool(self.base), "policy.base: set the model to start from (e.g. an SFT run)")
+
+
+@dataclass(frozen=True)
+class PairsSection:
+    """Preference pairs (`kiln posttrain preferences` output) and the held-out share."""
+
+    pairs: str = ""
+    heldout: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Pairs are required; the held-out share is a fraction."""
+        require(bool(self.pairs), "data.pairs: set the preference pairs file (JSON lines)")
+        require(0 <= self.heldout < 1, f"data.heldout must be in [0, 1), got {self.heldout}")
+
+
+@dataclass(frozen=True)
+class PromptsSection:
+    """RL prompts: a `kiln data chat` folder's train split, rewarded by its task checks
+    (times task_weight) plus an optional learned reward model (times reward_model_weight)."""
+
+    chat: str = ""
+    max_prompts: int = 0  # 0: every train prompt
+    task_weight: float = 1.0
+    reward_model: str = ""
+    reward_model_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Prompts are required and some reward must count."""
+        require(bool(self.chat), "data.chat: set the `kiln data chat` folder with the prompts")
+        require(self.max_prompts >= 0, f"data.max_prompts must be >= 0, got {self.max_prompts}")
+        require(
+            self.task_weight > 0 or (self.reward_model and self.reward_model_weight > 0),
+            "data: no reward counts (task_weight is 0 and no weighted reward_model)",
+        )
+
+
+@dataclass(frozen=True)
+class DPORunConfig:
+    """`kiln dpo CONFIG.toml`."""
+
+    policy: PolicySection = field(default_factory=PolicySection)
+    data: PairsSection = field(default_factory=PairsSection)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    run_dir: str = "runs/dpo"
+
+
+@dataclass(frozen=True)
+class RewardRunConfig:
+    """`kiln reward CONFIG.toml` (policy.base is the LM body the reward model starts from)."""
+
+    policy: PolicySection = field(default_factory=PolicySection)
+    data: PairsSection = field(default_factory=PairsSection)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    run_dir: str = "runs/reward"
+
+
+@dataclass(frozen=True)
+class RLRunConfig:
+    """`kiln rl CONFIG.toml` (rl.algorithm: grpo or ppo)."""
+
+    policy: PolicySection = field(default_factory=PolicySection)
+    data: PromptsSection = field(default_factory=PromptsSection)
+    rl: RLConfig = field(default_factory=RLConfig)
+    run_dir: str = "runs/rl"
+
+
+# ---- the run folder ---------------------------------------------------------------------------
+
+
+def prepare_run_dir(run_dir: Path, cfg: Any, resume: bool, force: bool) -> None:
+    """Refuse to train over an earlier run unless resuming (or --force: start over)."""
+    has_run = latest_checkpoint(run_dir / "checkpoints") is not None
+    if has_run and not resume and not force:
+        raise KilnError(
+            f"{run_dir}: holds a run already; --resume to continue it, --force to start over"
+        )
+    if has_run and force and not resume:
+        remove_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_write(run_dir / "config.toml") as handle:
+        handle.write(cfgio.to_toml(cfgio.to_dict(cfg)))
+
+
+def load_policy(section: PolicySection, run_dir: Path) -> tuple[LoadedModel, dict[str, Any]]:
+    """The base model (fp32, train-ready) and the state its checkpoints inherit.
+
+    The base's tokenizer is copied into the run folder and recorded by sha256, so the run's
+    checkpoints load with it wherever the base's data went.
+    """
+    loaded = load_model(section.base, device=section.device, dtype="fp32")
+    if loaded.tokenizer is None or loaded.tokenizer_path is None:
+        raise KilnError(f"{section.base}: no tokenizer found (post-training renders chats)")
+    require_chat_template(loaded.tokenizer, section.base)
+    shutil.copyfile(loaded.tokenizer_path, run_dir / "tokenizer.json")
+    config: dict[str, Any] = {}
+    try:
+        base_config = read_state(find_checkpoint(section.base)).get("config", {})
+        config = {k: v for k, v in base_config.items() if k not in ("lora", "data", "sft")}
+    except KilnError:
+        pass  # an HF folder: the model config is recorded from the model itself
+    state = {
+        "config": config,
+        "dataset": {"tokenizer_sha256": sha256_file(run_dir / "tokenizer.json")},
+    }
+    return loaded, state
+
+
+def load_reference(section: PolicySection) -> Any:
+    """The frozen reference model, or None to copy the base."""
+    if not section.reference:
+        return None
+    return load_model(section.reference, device=section.device, dtype="fp32").model
+
+
+def split_pairs(
+    pairs: Sequence[TokenPair], heldout: float, seed: int
+) -> tuple[list[TokenPair], list[TokenPair]]:
+    """Train and held-out pairs (a seeded shuffle; at least one train pair)."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_held = min(len(pairs) - 1, round(len(pairs) * heldout))
+    return [pairs[i] for i in order[n_held:]], [pairs[i] for i in order[:n_held]]
+
+
+def token_pairs(path: str, tokenizer: Any, block_size: int) -> list[TokenPair]:
+    """The pairs of a preferences file that fit the model's context, as token ids.
+
+    A bad pair is an error naming its line; pairs too long for the context are dropped and
+    counted in one warning (a story task can outgrow a small model's block size).
+    """
+    pairs = [tokenize_pair(p, tokenizer, f"{path}: pair {n}")
+             for n, p in enumerate(read_pairs(path), start=1)]  # fmt: skip
+    fits = [p for p in pairs if len(p.prompt) + max(len(p.chosen), len(p.rejected)) <= block_size]
+    if len(fits) < len(pairs):
+        print(f"warning: {path}: {len(pairs) - len(fits)} of {len(pairs)} pairs are longer than "
+              f"the model's {block_size}-token context; left out", file=sys.stderr)  # fmt: skip
+    if not fits:
+        raise KilnError(f"{path}: no pair fits the model's {block_size}-token context")
+    return fits
+
+
+# ---- RL prompts and rewards -------------------------------------------------------------------
+
+
+def rl_prompts(
+    section: PromptsSection, loaded: LoadedModel, max_new_tokens: int
+) -> tuple[list[list[int]], Callable[[int, list[int]], float]]:
+    """The prompts (rendered, generation prompt added) and the reward of a reply to prompt i."""
+    from kiln.posttrain.chat_format import iter_conversations
+
+    tok = loaded.tokenizer
+    assert tok is not None
+    records = list(iter_conversations(split_file(section.chat, "train")))
+    prompts = [render(r["messages"][:-1], tok, add_generation_prompt=True).ids for r in records]
+    room = loaded.model.cfg.block_size - max_new_tokens
+    kept = [i for i, p in enumerate(prompts) if len(p) <= room]
+    if len(kept) < len(prompts):
+        print(f"warning: {section.chat}: {len(prompts) - len(kept)} of {len(prompts)} prompts "
+              f"leave no room for {max_new_tokens} new tokens in the model's "
+              f"{loaded.model.cfg.block_size}-token context; left out", file=sys.stderr)  # fmt: skip
+    kept = kept[: section.max_prompts] if section.max_prompts else kept
+    if not kept:
+        raise KilnError(f"{section.chat}: no prompt fits the model's context")
+    records, prompts = [records[i] for i in kept], [prompts[i] for i in kept]
+    special = set(tok.special_tokens.values())
+    rm = load_reward_model(find_checkpoint(section.reward_model)) if section.reward_model else None
+
+    def reward(i: int, reply: list[int]) -> float:
+        body = [t for t in reply if t not in special]
+        total = section.task_weight * score(records[i], tok.decode(body))
+        if rm is not None and section.reward_model_weight:
+            import torch
+
+            with torch.no_grad():
+                total += section.reward_model_weight * float(
+                    score_sequences(rm, [prompts[i] + reply])[0]
+                )
+        return total
+
+    return prompts, reward
+
+
+def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar over steps (rate and ETA), or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+
+def bar_callback(bar: Any, keys: Sequence[str]) -> Callable[[dict[str, Any]], None]:
+    """A progress callback that advances the bar and shows some metrics."""
+
+    def update(record: dict[str, Any]) -> None:
+        if bar is None:
+            return
+        bar.update(1)
+        bar.set_postfix({k: f"{record[k]:.3g}" for k in keys if k in record})
+
+    return update
+
+
+# ---- running a config ---------------------------------------------------------------------------
+
+RUN_CONFIGS: dict[str, type] = {"dpo": DPORunConfig, "reward": RewardRunConfig, "rl": RLRunConfig}
+SHOWN = {"dpo": ("loss", "accuracy"), "reward": ("loss", "accuracy"), "rl": ("reward_mean", "kl")}
+
+
+def run_from_config(
+    kind: str,
+    config_path: str | None,
+    overrides: Sequence[str],
+    resume: bool,
+    force: bool,
+    progress: bool = True,
+) -> str:
+    """Train one `kiln dpo|reward|rl` run from its config; returns the summary line."""
+    from kiln.posttrain.dpo import DPOTrainer
+    from kiln.posttrain.report import CURVES, plot_curves
+    from kiln.posttrain.reward_model import RewardModel, RewardTrainer
+    from kiln.posttrain.rl import RLTrainer
+
+    cfg = cfgio.load(RUN_CONFIGS[kind], config_path, overrides)
+    run_dir = Path(cfg.run_dir)
+    prepare_run_dir(run_dir, cfg, resume, force)
+    loaded, base_state = load_policy(cfg.policy, run_dir)
+    tok = loaded.tokenizer
+    policy = loaded.model.train().requires_grad_(True)
+    settings = getattr(cfg, kind)
+    bar = progress_bar(settings.steps, 0, f"kiln {kind}", progress)
+    show = bar_callback(bar, SHOWN[kind])
+    trainer: Any
+    if kind == "rl":
+        prompts, reward = rl_prompts(cfg.data, loaded, settings.max_new_tokens)
+        trainer = RLTrainer(
+            policy, prompts, reward, settings, run_dir, eot_id=require_chat_template(tok, "rl").end_id,
+            reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+        )  # fmt: skip
+    else:
+        pairs = token_pairs(cfg.data.pairs, tok, policy.cfg.block_size)
+        train, held = split_pairs(pairs, cfg.data.heldout, cfg.data.seed)
+        if kind == "dpo":
+            trainer = DPOTrainer(
+                policy, train, settings, run_dir, held_out=held,
+                reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+            )  # fmt: skip
+        else:
+            full = [(p.prompt + p.chosen, p.prompt + p.rejected) for p in train]
+            full_held = [(p.prompt + p.chosen, p.prompt + p.rejected) for p in held]
+            trainer = RewardTrainer(
+                RewardModel(policy), full, settings, run_dir, held_out=full_held,
+                base_state=base_state, progress=show,
+            )  # fmt: skip
+    resumed = resume and trainer.resume()
+    if bar is not None:
+        bar.update(trainer.step)
+    trainer.run()
+    if bar is not None:
+        bar.close()
+    records = trainer.metrics.read()
+    picture = plot_curves(records, CURVES[kind], run_dir / "report" / f"{kind}.png")
+    last = records[-1] if records else {}
+    shown = ", ".join(f"{k} {last[k]:.4g}" for k in (*SHOWN[kind], "val_accuracy") if k in last)
+    return (
+        f"kiln {kind}: {'resumed, ' if resumed else ''}{trainer.step:,} steps in {run_dir}"
+        f" ({shown}){f'; curves in {picture}' if picture else ''}"
+    )

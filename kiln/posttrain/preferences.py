@@ -1,0 +1,204 @@
+"""Preference pairs from a chat model's own samples, judged by the task checks.
+
+For each training prompt of a `kiln data chat` folder (never the held-out split), sample
+`samples` replies, score each with the task's check (`kiln.posttrain.tasks.score`), and keep one
+pair when at least one reply does everything asked (the chosen: the best-scoring such reply) and
+at least one does not (the rejected: the worst-scoring). Each pair is a JSON line with the
+prompt messages, both replies, their scores and the sampling settings, so a pair can be traced
+back to how it was made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.config import require
+from kiln.errors import KilnError
+from kiln.io import open_binary, sha256_file, write_json_atomic
+from kiln.model.generate import generate
+from kiln.model.transformer import Transformer
+from kiln.posttrain.dpo import TokenPair
+from kiln.posttrain.output import check_output_folder, output_folder
+from kiln.posttrain.tasks import check, score
+from kiln.tokenizer.chat import render, require_chat_template
+from kiln.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the replies of each prompt are drawn (recorded with every pair)."""
+
+    samples: int = 4
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    top_k: int | None = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Reject settings that cannot sample, naming the field."""
+        require(self.samples >= 2, f"samples must be >= 2 to make a pair, got {self.samples}")
+        require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+
+
+def sample_replies(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    cfg: SamplingConfig,
+    seed: int,
+) -> list[str]:
+    """`cfg.samples` replies to a conversation's prompt, each up to the end token.
+
+    None fit when the prompt fills the model's context: the list is empty.
+    """
+    template = require_chat_template(tokenizer, "sampling")
+    prompt = render(messages, tokenizer, add_generation_prompt=True).ids
+    room = model.cfg.block_size - len(prompt)
+    if room < 1:
+        return []  # no room to answer in the model's context: no pair
+    replies = generate(
+        model, [prompt] * cfg.samples, min(cfg.max_new_tokens, room),
+        temperature=cfg.temperature, top_k=cfg.top_k, seed=seed, stop_tokens=template.stop_ids,
+    )  # fmt: skip
+    # A reply ends at the first control token (an end-of-text mid-reply, say): its text is what
+    # the renderer can encode again, so every pair tokenizes under the refusing policy.
+    special = set(tokenizer.special_tokens.values())
+    cut = [next((i for i, t in enumerate(r) if t in special), len(r)) for r in replies]
+    return [tokenizer.decode(r[:n]) for r, n in zip(replies, cut, strict=True)]
+
+
+def make_pair(record: Mapping[str, Any], replies: Sequence[str]) -> dict[str, Any] | None:
+    """The pair of a record's replies (best passing vs worst failing), or None if there is none."""
+    scored = [(score(record, r), check(record, r), r) for r in replies]
+    passing = [s for s in scored if s[1]]
+    failing = [s for s in scored if not s[1]]
+    if not passing or not failing:
+        return None
+    chosen = max(passing, key=lambda s: s[0])
+    rejected = min(failing, key=lambda s: s[0])
+    return {
+        "id": record.get("id"), "task": record.get("task"), "params": record.get("params"),
+        "messages": list(record["messages"][:-1]), "chosen": chosen[2], "rejected": rejected[2],
+        "chosen_score": chosen[0], "rejected_score": rejected[0],
+        "scores": [s[0] for s in scored],
+    }  # fmt: skip
+
+
+def build_pairs(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    records: Iterable[Mapping[str, Any]],
+    cfg: SamplingConfig,
+) -> Iterator[tuple[Mapping[str, Any], list[str], dict[str, Any] | None]]:
+    """For each record (a prompt + reference reply): its replies and its pair (or None)."""
+    model.eval()
+    for n, record in enumerate(records):
+        replies = sample_replies(model, tokenizer, record["messages"][:-1], cfg, cfg.seed + n)
+        pair = make_pair(record, replies)
+        if pair is not None:
+            pair["sampling"] = asdict(cfg)
+        yield record, replies, pair
+
+
+def read_pairs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The pairs of a JSON-lines preference file; a bad line is one error naming it."""
+    out = []
+    with open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{os.fspath(path)}:{number}"
+            try:
+                pair = json.loads(raw)
+            except ValueError as exc:
+                raise KilnError(f"{where}: not a JSON object ({exc})") from None
+            for key in ("messages", "chosen", "rejected"):
+                if not isinstance(pair, dict) or key not in pair:
+                    raise KilnError(f"{where}: expected a pair with '{key}'")
+            for key in ("chosen", "rejected"):
+                if not isinstance(pair[key], str):
+                    raise KilnError(f"{where}: '{key}' must be a string")
+            out.append(pair)
+    if not out:
+        raise KilnError(f"{os.fspath(path)}: no preference pairs")
+    return out
+
+
+def tokenize_pair(pair: Mapping[str, Any], tokenizer: Tokenizer, where: str) -> TokenPair:
+    """A pair as token ids: the rendered prompt and each reply with its end token.
+
+    Replies go through the same renderer as SFT data (the refusing special-token policy
+    included), so a reply is trained exactly as `kiln sft` would train it.
+    """
+    prompt = render(pair["messages"], tokenizer, add_generation_prompt=True, where=where).ids
+
+    def reply(text: str) -> list[int]:
+        full = render([*pair["messages"], {"role": "assistant", "content": text}], tokenizer,
+                      where=where).ids  # fmt: skip
+        return full[len(prompt) :]  # the reply's text and its end token
+
+    return TokenPair(prompt, reply(pair["chosen"]), reply(pair["rejected"]))
+
+
+MANIFEST = "manifest.json"
+FORMAT = "kiln.preferences"
+
+
+def write_preferences(
+    model: str,
+    chat: str,
+    out: Path,
+    cfg: SamplingConfig,
+    max_prompts: int = 0,
+    force: bool = False,
+    progress: bool = True,
+) -> str:
+    """Sample and judge the train prompts of `chat`, write OUT (whole or not at all).
+
+    Returns the summary: prompts and pairs per task.
+    """
+    from tqdm import tqdm
+
+    from kiln.loading import load_model
+    from kiln.posttrain.chat_data import read_manifest, split_file
+    from kiln.posttrain.chat_format import iter_conversations
+
+    check_output_folder(out, force, MANIFEST)  # before any sampling
+    loaded = load_model(model, dtype="fp32")
+    if loaded.tokenizer is None:
+        raise KilnError(f"{model}: no tokenizer found (sampling renders chats)")
+    records = list(iter_conversations(split_file(chat, "train")))
+    records = records[:max_prompts] if max_prompts else records
+    prompts, kept, too_long = Counter[str](), Counter[str](), 0
+    pairs = []
+    bar = tqdm(total=len(records), desc="preferences", unit="prompt", disable=not progress)
+    for record, replies, pair in build_pairs(loaded.model, loaded.tokenizer, records, cfg):
+        prompts[record["task"]] += 1
+        too_long += not replies
+        if pair is not None:
+            kept[record["task"]] += 1
+            pairs.append(pair)
+        bar.update(1)
+        bar.set_postfix(pairs=len(pairs))
+    bar.close()
+    with output_folder(out, force, MANIFEST) as tmp:
+        with (tmp / "pairs.jsonl").open("w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs)
+        manifest = {
+            "format": FORMAT, "version": 1, "model": loaded.source,
+            "chat_data_sha256": read_manifest(chat).get("sha256"), "sampling": asdict(cfg),
+            "prompts": dict(sorted(prompts.items())), "pairs": dict(sorted(kept.items())),
+            "prompts_too_long": too_long, "sha256": sha256_file(tmp / "pairs.jsonl"),
+        }  # fmt: skip
+        write_json_atomic(tmp / MANIFEST, manifest)
+    rows = [f"  {t:<10} {kept[t]:>5} pairs of {n:>5} prompts" for t, n in sorted(prompts.items())]
+    return "\n".join(
+        [f"kiln posttrain preferences: {len(pairs):,} pairs in {out}/pairs.jsonl", *rows]
+    )

@@ -1,0 +1,109 @@
+"""Rollouts for RL: sample responses to prompts, then score them under the policy and reference.
+
+A rollout is a pure function of (policy weights, prompts, seed): the sampling generator is seeded
+from the run seed and the step, so a resumed run draws exactly the responses an uninterrupted one
+would have, whatever the process's global RNG did in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kiln.model.generate import generate
+from kiln.model.transformer import Transformer
+from kiln.posttrain.logprobs import token_entropy, token_logprobs
+
+# (prompt index, response ids) -> scalar reward; the task checks and reward models both fit it.
+RewardFn = Callable[[int, list[int]], float]
+
+
+@dataclass
+class Rollout:
+    """N sampled responses, right-padded with their prompts into one batch."""
+
+    ids: Tensor  # (N, T) prompt + response + padding
+    mask: Tensor  # (N, T-1) bool: target position t+1 is a response token
+    prompt_index: list[int]  # (N,) which prompt each row answers
+    responses: list[list[int]]  # the sampled response ids (end-of-text included when sampled)
+    rewards: Tensor  # (N,)
+    old_logprobs: Tensor  # (N, T-1) under the sampling policy (zero outside the mask)
+    ref_logprobs: Tensor  # (N, T-1) under the frozen reference
+
+    def __len__(self) -> int:
+        return self.ids.size(0)
+
+    def rows(self, index: Tensor) -> Rollout:
+        """The sub-rollout of some rows (a minibatch)."""
+        picked = index.tolist()
+        return Rollout(
+            ids=self.ids[index], mask=self.mask[index],
+            prompt_index=[self.prompt_index[i] for i in picked],
+            responses=[self.responses[i] for i in picked], rewards=self.rewards[index],
+            old_logprobs=self.old_logprobs[index], ref_logprobs=self.ref_logprobs[index],
+        )  # fmt: skip
+
+
+def sequence_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Right-padded ids (N, T) of prompt+response and the response-target mask (N, T-1)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width - 1, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[row, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+        mask[row, len(p) - 1 : len(p) + len(r) - 1] = True  # targets that are response tokens
+    return ids, mask
+
+
+def policy_logprobs(
+    model: Transformer, ids: Tensor, mask: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs and entropies (N, T-1) of ids' next tokens, zero outside the mask.
+
+    Logits are divided by the sampling temperature, so the log-probs are those of the
+    distribution the responses were actually drawn from.
+    """
+    logits = model(ids)[:, :-1] / temperature  # (N, T-1, V)
+    logp = token_logprobs(logits, ids[:, 1:]) * mask
+    return logp, token_entropy(logits) * mask
+
+
+@torch.no_grad()
+def sample_rollout(
+    policy: Transformer,
+    reference: Transformer,
+    prompts: Sequence[Sequence[int]],
+    prompt_index: Sequence[int],
+    reward_fn: RewardFn,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eot_id: int | None,
+) -> Rollout:
+    """Sample one response per prompt row, reward it, and score it under both models."""
+    was_training = policy.training
+    policy.eval()
+    stops = [] if eot_id is None else [eot_id]
+    new = generate(
+        policy, prompts, max_new_tokens, temperature=temperature, seed=seed, stop_tokens=stops
+    )
+    # generate drops the stop token (a row shorter than max_new_tokens met it): keep it, so the
+    # policy is credited for where it stopped.
+    responses = [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
+    ids, mask = sequence_batch(prompts, responses)
+    device = next(policy.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    old, _ = policy_logprobs(policy, ids, mask, temperature)
+    ref, _ = policy_logprobs(reference, ids, mask, temperature)
+    rewards = torch.tensor(
+        [float(reward_fn(i, r)) for i, r in zip(prompt_index, responses, strict=True)],
+        device=device,
+    )
+    policy.train(was_training)
+    return Rollout(ids, mask, list(prompt_index), responses, rewards, old, ref)

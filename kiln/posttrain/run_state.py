@@ -1,0 +1,144 @@
+"""Checkpoints of post-training loops (DPO, reward model, PPO, GRPO): the pre-training format.
+
+The trained model is `model.safetensors` under the base run's config, so `kiln.loading` loads a
+post-training checkpoint like any other; extra modules (a value model) sit beside it in their own
+files; the loop's own settings are one section of the config; RNG states make resume exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.model.config import ModelConfig
+from kiln.train.checkpoint import (
+    TrainState,
+    capture_rng,
+    latest_checkpoint,
+    load_model_tensors,
+    read_optimizer,
+    read_state,
+    restore_rng,
+    save_checkpoint,
+    unique_tensors,
+)
+from kiln.train.metrics import MetricsLog
+
+
+class PosttrainRun:
+    """A run folder: `checkpoints/step_N/`, `latest`, `metrics.jsonl`."""
+
+    def __init__(self, out_dir: Path, base_state: dict[str, Any] | None, keep_last: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.base_state = base_state or {}  # the base checkpoint's state.json (model, data)
+        self.keep_last = keep_last
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where the checkpoints live."""
+        return self.out_dir / "checkpoints"
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: Any,
+        section: str,
+        settings: dict[str, Any],
+        extra: dict[str, nn.Module] | None = None,
+    ) -> Path:
+        """Write the checkpoint of `step` atomically (settings recorded as config[section]).
+
+        config.model is the model's own config, so the checkpoint loads whatever the base was.
+        """
+        config = {**self.base_state.get("config", {}), section: settings}
+        if isinstance(getattr(model, "cfg", None), ModelConfig):
+            config["model"] = model.cfg.to_dict()
+        state = TrainState(
+            step=step, tokens=0, cursor={"step": step}, config=config,
+            dataset=self.base_state.get("dataset", {}), rng={"0": capture_rng()},
+        )  # fmt: skip
+        files = {f"{name}.safetensors": unique_tensors(m)[0] for name, m in (extra or {}).items()}
+        return save_checkpoint(
+            self.checkpoints, model, optimizer, state, {}, self.keep_last, extra_tensors=files
+        )
+
+    def resume(
+        self, model: nn.Module, optimizer: Any, extra: dict[str, nn.Module] | None = None
+    ) -> int | None:
+        """Load the latest checkpoint into model, optimizer and extras; its step, or None."""
+        latest = latest_checkpoint(self.checkpoints)
+        if latest is None:
+            return None
+        load_model_tensors(latest / "model.safetensors", model, "cpu", "the model")
+        for name, module in (extra or {}).items():
+            load_model_tensors(latest / f"{name}.safetensors", module, "cpu", f"the {name} model")
+        optimizer.load_state_dict(read_optimizer(latest / "optimizer.pt"))
+        state = read_state(latest)
+        restore_rng(state["rng"]["0"])
+        step = int(state["step"])
+        self.metrics.truncate_after(step)
+        return step
+
+
+def epoch_slice(n: int, k: int, step: int, seed: int) -> list[int]:
+    """Indices of step's k items out of n: consecutive slices of a seeded permutation per epoch.
+
+    A pure function of its arguments, so a resumed run sees exactly the items it would have.
+    """
+    per_epoch = max(1, n // k)
+    epoch, slot = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [order[(slot * k + i) % n] for i in range(k)]
+
+
+class PosttrainLoop:
+    """The shared loop of DPO, reward-model and RL training: steps, checkpoints, resume.
+
+    Subclasses set `model`, `optimizer`, `cfg` (with steps, save_every, keep_last), `section`
+    and `run_dir`, and implement `train_step`; `extra_modules` are saved beside the model.
+    """
+
+    section: str
+    model: nn.Module
+    optimizer: Any
+    cfg: Any
+    run_dir: PosttrainRun
+    step: int = 0
+
+    def extra_modules(self) -> dict[str, nn.Module]:
+        """Modules saved in their own files beside the model (none by default)."""
+        return {}
+
+    def save(self) -> Path:
+        """Checkpoint the model (loadable as a model), the extras, optimizer and RNG."""
+        return self.run_dir.save(
+            self.step, self.model, self.optimizer, self.section, asdict(self.cfg),
+            self.extra_modules(),
+        )  # fmt: skip
+
+    def resume(self) -> bool:
+        """Continue from the latest checkpoint if there is one; True when it did."""
+        step = self.run_dir.resume(self.model, self.optimizer, self.extra_modules())
+        if step is None:
+            return False
+        self.step = step
+        return True
+
+    def train_step(self) -> dict[str, Any]:
+        """One update; returns (and logs) its metrics."""
+        raise NotImplementedError
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train until cfg.steps, checkpointing every save_every steps and at the end."""
+        records = []
+        while self.step < self.cfg.steps:
+            records.append(self.train_step())
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save()
+        return records

@@ -1,0 +1,1 @@
+"""Serving: the inference engine, the OpenAI-compatible HTTP server and the Storyteller page."""

@@ -1,0 +1,136 @@
+"""The server's /metrics in Prometheus' text format: engine gauges, token counters, latencies.
+
+Gauges come from the engine's own stats at scrape time (requests running and waiting, KV blocks
+used and free); counters and the two latency histograms (time to first token, time per output
+token after the first) are updated by the server as requests finish.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+PREFIX = "kiln"
+# Bucket bounds in seconds: first tokens take prefill plus queueing, later ones one step each.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """A cumulative histogram with fixed bucket bounds, as Prometheus reads one."""
+
+    def __init__(self, name: str, help_text: str, bounds: Sequence[float]) -> None:
+        self.name, self.help_text, self.bounds = name, help_text, tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation in the first bucket whose bound is >= value."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        """Observations so far."""
+        return sum(self.counts)
+
+    def lines(self) -> list[str]:
+        """The histogram's exposition lines (HELP, TYPE, buckets, sum, count)."""
+        out = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{self.name}_bucket{{le="{le}"}} {running}')
+        out += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {running}"]
+        return out
+
+
+class ServerMetrics:
+    """Counters and histograms the server updates; `render` adds the engine's gauges."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}  # finished requests by outcome ("ok", "error", ...)
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Seconds per generated token after the first, per request.",
+            TPOT_BUCKETS,
+        )
+
+    def count_request(self, outcome: str) -> None:
+        """Count one finished (or refused) request under `outcome`."""
+        with self._lock:
+            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def record(
+        self,
+        prompt_tokens: int,
+        new_tokens: int,
+        ttft: float | None,
+        decode_s: float | None,
+        longest: int,
+    ) -> None:
+        """Add one finished request: token counts, time to first token, decode time.
+
+        `longest` is the most tokens one of its samples got: samples decode side by side, so
+        the time per output token is the decode time over that sample's tokens after its first.
+        """
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += new_tokens
+            if ttft is not None:
+                self.ttft.observe(max(ttft, 0.0))
+            if decode_s is not None and longest > 1:
+                self.tpot.observe(max(decode_s, 0.0) / (longest - 1))
+
+    def render(self, stats: Any) -> str:
+        """The whole exposition text: engine gauges from `stats`, then the server's own series."""
+        gauges = [
+            ("requests_running", "Requests the engine is generating for.", "running"),
+            ("requests_waiting", "Requests queued for the engine.", "waiting"),
+            (
+                "kv_blocks_used",
+                "KV-cache blocks in use (the prefix cache's included).",
+                "blocks_used",
+            ),
+            ("kv_blocks_free", "KV-cache blocks free.", "blocks_free"),
+            ("kv_blocks_total", "KV-cache blocks in the pool.", "blocks_total"),
+        ]
+        out: list[str] = []
+        for name, help_text, attr in gauges:
+            value = getattr(stats, attr, None)
+            if value is not None:
+                out += _series(f"{PREFIX}_{name}", "gauge", help_text, [("", value)])
+        with self._lock:
+            by_outcome = [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.requests.items())]
+            out += _series(
+                f"{PREFIX}_requests_total", "counter", "HTTP generation requests by outcome.",
+                by_outcome or [('{outcome="ok"}', 0)],
+            )  # fmt: skip
+            out += _series(
+                f"{PREFIX}_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                [("", self.prompt_tokens)],
+            )  # fmt: skip
+            out += _series(
+                f"{PREFIX}_generation_tokens_total", "counter",
+                "Tokens generated for finished requests.", [("", self.generated_tokens)],
+            )  # fmt: skip
+            out += self.ttft.lines() + self.tpot.lines()
+        return "\n".join(out) + "\n"
+
+
+def _series(name: str, kind: str, help_text: str, values: list[tuple[str, Any]]) -> list[str]:
+    """HELP and TYPE lines, then one sample line per (labels, value)."""
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"] + [
+        f"{name}{labels} {value}" for labels, value in values
+    ]

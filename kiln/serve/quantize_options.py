@@ -1,0 +1,49 @@
+"""The `--quantize` options shared by commands that load a model (no torch import here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.serve.quantize import QuantReport
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+
+
+def add_quantize_options(parser: argparse.ArgumentParser) -> None:
+    """Add `--quantize`, `--quantize-group` and `--quantize-head` to a command."""
+    parser.add_argument(
+        "--quantize",
+        choices=MODES,
+        help="weight-only quantization of the linear layers: int8 (per output channel) or int4 "
+        "(per group of --quantize-group inputs)",
+    )
+    parser.add_argument(
+        "--quantize-group",
+        type=int,
+        choices=GROUP_SIZES,
+        default=DEFAULT_GROUP_SIZE,
+        help=f"int4 group size: {', '.join(map(str, GROUP_SIZES))} (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument(
+        "--quantize-head", action="store_true", help="quantize the LM head too (default: fp32)"
+    )
+
+
+def quantize_from_args(
+    model: nn.Module, args: argparse.Namespace, command: str
+) -> QuantReport | None:
+    """Apply a command's --quantize options to its loaded model and print the report line."""
+    if getattr(args, "quantize", None) is None:
+        return None
+    from kiln.serve.quantize import quantize_model
+
+    report = quantize_model(model, args.quantize, args.quantize_group, args.quantize_head)
+    print(f"{command}: {report.describe()}", file=sys.stderr)
+    return report

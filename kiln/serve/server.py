@@ -1,0 +1,208 @@
+"""`kiln serve`'s HTTP layer: OpenAI's API over the engine, /health, /metrics and the page at /.
+
+`create_app` wires one loaded engine into a FastAPI app; `run_server` serves it with uvicorn.
+Each request is checked in the order a client would want to hear about problems: the key (401),
+the body's size (413) and shape (400, naming the field), the model name (404), the prompt (400:
+special-token text, too long for the context), then the engine's room (429 with Retry-After).
+A client that goes away cancels its request, which frees its KV blocks at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.serve.endpoints import chat_completions, completions
+from kiln.serve.openai_schema import ApiError
+from kiln.serve.service import ServerOptions, Service
+
+__all__ = ["ServerOptions", "create_app", "make_server", "run_server"]
+
+# The page may talk to this server only: no CDN, no fonts, no network beyond the API it came from.
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'"
+)
+# After the grace period requests are cancelled; uvicorn force-closes what is left this much later.
+SHUTDOWN_BACKSTOP_S = 5.0
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+def page_html() -> str:
+    """The Storyteller page shipped in the package (kiln/serve/web/index.html)."""
+    return resources.files("kiln.serve").joinpath("web/index.html").read_text(encoding="utf-8")
+
+
+def create_app(engine: Any, tokenizer: Any, context_length: int, options: ServerOptions) -> FastAPI:
+    """The FastAPI app serving `engine` (started and stopped with the app's lifespan)."""
+    service = Service(engine, tokenizer, context_length, options)
+    page = page_html()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(engine.start)
+        service.state.ready = True
+        try:
+            yield
+        finally:
+            service.state.ready = False
+            await asyncio.to_thread(engine.stop, True, 10.0)
+
+    app = FastAPI(
+        title="kiln serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.service = service
+    if options.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )  # fmt: skip
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.status >= 400 and exc.status != 401:
+            service.metrics.count_request(f"http_{exc.status}")
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The traceback goes to the server's log (uvicorn's); the client gets OpenAI's shape.
+        service.metrics.count_request("http_500")
+        error = ApiError(500, f"internal server error ({type(exc).__name__})", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Content-Security-Policy": PAGE_POLICY})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = service.state
+        status = (
+            "ok"
+            if state.ready and not state.draining
+            else ("stopping" if state.draining else "loading")
+        )
+        return JSONResponse(
+            {"status": status, "model": options.model_name},
+            status_code=200 if status == "ok" else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        service.authorize(request)
+        stats = await asyncio.to_thread(engine.stats)
+        return PlainTextResponse(
+            service.metrics.render(stats), media_type="text/plain; version=0.0.4"
+        )
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": options.model_name, "object": "model", "created": service.created, "owned_by": "kiln",
+            "max_model_len": context_length,
+            "kiln": {"chat": service.chat is not None, "context_length": context_length,
+                     "max_tokens": options.limits.max_tokens, "max_n": options.limits.max_n},
+        }  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        service.authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict[str, Any]:
+        service.authorize(request)
+        service.check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def post_completions(request: Request) -> Any:
+        return await completions(service, request)
+
+    @app.post("/v1/chat/completions")
+    async def post_chat(request: Request) -> Any:
+        return await chat_completions(service, request)
+
+    return app
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+
+class _GracefulServer:
+    """uvicorn's Server that drains on SIGTERM/SIGINT and exits normally (status 0) after.
+
+    uvicorn re-raises the signal it caught once it has shut down, which would end the process
+    with status 143; a service manager reads a clean stop as 0.
+    """
+
+    def __init__(self, config: Any, on_stop: Callable[[], None]) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                signals = (signal.SIGINT, signal.SIGTERM)
+                previous = {s: signal.signal(s, self.handle_exit) for s in signals}
+                try:
+                    yield
+                finally:
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
+
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                on_stop()
+                super().handle_exit(sig, frame)
+
+        self.server = Server(config)
+
+
+def make_server(app: FastAPI, host: str, port: int, grace_s: float, log_level: str = "info") -> Any:
+    """A uvicorn server for `app` that drains on SIGTERM: running requests get `grace_s` seconds
+    to finish, then are cancelled (their streams end with finish_reason "cancelled")."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", server_header=False,
+        timeout_graceful_shutdown=grace_s + SHUTDOWN_BACKSTOP_S,
+    )  # fmt: skip
+    service: Service = app.state.service
+
+    def on_stop() -> None:
+        if not service.state.draining:
+            service.state.draining = True
+            timer = threading.Timer(grace_s, service.cancel_all)
+            timer.daemon = True
+            timer.start()
+
+    return _GracefulServer(config, on_stop).server
+
+
+def run_server(
+    app: FastAPI, host: str, port: int, grace_s: float, sock: socket.socket | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: running requests get `grace_s` seconds to end."""
+    server = make_server(app, host, port, grace_s)
+    server.run(sockets=[sock] if sock is not None else None)
