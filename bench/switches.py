@@ -1,0 +1,102 @@
+"""The architecture switches of issue #21 compared on TinyStories (CPU), one switch at a time.
+
+Every variant is bench/arch.py's recipe (demo tokenizer, TinyStories shards, AdamW lr 2e-3,
+warmup 10 then cosine, fp32) at a smaller size: Llama-style baseline (pre-norm RMSNorm, SwiGLU,
+RoPE, 4 heads, no GQA), 4 layers x 128, 1024 tokens per step (16 x 64), the same batches and
+--steps steps; one single-threaded run after another. Reported per variant: parameters, final
+val bits per byte (first 64k val tokens; equal steps = equal tokens), training tokens/s and its
+ratio to the baseline, and the val loss at the shortest run's training time read off each run's
+curve (equal time). Runs follow each other on a shared machine, so tokens/s carries the load's
+drift; the ratios are indicative, not precise.
+
+    .venv/bin/python bench/switches.py                  # 13 runs; ~20 min on a loaded 2-core CPU
+    .venv/bin/python bench/switches.py --steps 60 --only baseline,relu2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arch import DEFAULT_CACHE, config, loss_at, prepare, train
+
+from kiln.tokenizer import Tokenizer
+
+BASE: dict[str, Any] = dict(n_layer=4, n_head=4, n_kv_head=4, n_embd=128, d_ff=None,
+                            ff_multiple=32)  # fmt: skip
+SEQ, MICRO = 64, 16
+VARIANTS: dict[str, dict[str, Any]] = {
+    "baseline (pre RMSNorm, SwiGLU, RoPE)": {},
+    "GELU (tanh), 4x": {"mlp": "gelu"},
+    "ReLU, 4x": {"mlp": "relu"},
+    "ReLU², 4x": {"mlp": "relu2"},
+    "GeGLU": {"mlp": "geglu"},
+    "learned positions": {"pos_emb": "learned"},
+    "sinusoidal positions": {"pos_emb": "sinusoidal"},
+    "NoPE": {"pos_emb": "none"},
+    "partial RoPE 1/4": {"rotary_fraction": 0.25},
+    "post-norm": {"norm_placement": "post"},
+    "sandwich norm": {"norm_placement": "sandwich"},
+    "norms without scale": {"norm_scale": False},
+    "parallel block (fused)": {"parallel_block": True},
+}
+
+
+def run_config(data_dir: Path, switches: dict[str, Any], steps: int) -> Any:
+    """bench/arch.py's recipe at this comparison's size, with these switches."""
+    cfg = config(data_dir, {**BASE, **switches}, steps)
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, seq_len=SEQ),
+        batch=dataclasses.replace(cfg.batch, global_tokens=SEQ * MICRO, micro_batch=MICRO),
+    )
+
+
+def main() -> int:
+    """Train each variant; print the table; write JSON under --out-dir."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--out-dir", type=Path, default=Path("/tmp/kiln-bench-switches"))
+    ap.add_argument("--steps", type=int, default=150, help="optimizer steps per variant")
+    ap.add_argument("--only", help="comma-separated variant name prefixes")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    data_dir = prepare(args.cache)
+    tokenizer = Tokenizer.load(args.cache / "tokenizer.json")
+    names = [
+        n for n in VARIANTS if not args.only or any(n.startswith(p) for p in args.only.split(","))
+    ]
+    runs = []
+    for i, name in enumerate(names):
+        cfg = run_config(data_dir, VARIANTS[name], args.steps)
+        runs.append(train(name, cfg, args.out_dir / f"run{i}", tokenizer))
+    base = runs[0]
+    t_common = min(r["train_s"] for r in runs)
+    print(
+        f"\n| variant | params | tok/s | tok/s vs {base['name'].split(' (')[0]} | val bpb "
+        f"({args.steps} steps, equal tokens) | val loss at {t_common:.0f}s (equal time) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in runs:
+        r["loss_at_common_time"] = loss_at(r["curve"], t_common)
+        print(f"| {r['name']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['val_bpb']:.4f} | "
+              f"{r['loss_at_common_time']:.4f} |")  # fmt: skip
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"steps": args.steps, "tokens_per_step": SEQ * MICRO, "runs": runs}
+    (args.out_dir / "switches.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out_dir / 'switches.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
