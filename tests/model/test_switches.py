@@ -302,3 +302,18 @@ def test_bad_switches_are_named(overrides: dict[str, object], message: str) -> N
         small(**overrides)
     with pytest.raises(ModelConfigError, match="depth preset must be depth-N"):
         ModelConfig.preset("depth-x")
+
+
+@pytest.mark.parametrize("switches", [{"parallel_block": True}, {"attn_softcap": 1.0}])
+def test_attention_maps_read_fused_and_soft_capped_layers(switches: dict[str, object]) -> None:
+    from kiln.model.attention_maps import attention_maps
+
+    model = build(small(**switches))
+    idx = torch.randint(0, 128, (1, 9))
+    maps = attention_maps(model, idx)
+    assert len(maps) == 2 and maps[0].shape == (1, 4, 9, 9)
+    torch.testing.assert_close(maps[0].sum(-1), torch.ones(1, 4, 9))
+    assert maps[0].triu(1).abs().max() == 0  # causal
+    if "attn_softcap" in switches:  # capped at ±1: no weight beyond e² times another's in a row
+        row = maps[0][0, 0, -1]
+        assert row.max() / row.min() <= math.exp(2) + 1e-4
