@@ -147,7 +147,7 @@ def load_model(spec: str) -> tuple[Any, int | None, int | None]:
     from kiln import config as cfgio
     from kiln.model.config import PRESETS, ModelConfig
 
-    if spec in PRESETS:
+    if spec in PRESETS or spec.startswith("depth-"):  # depth-N, depth-N-mup: derived presets
         return ModelConfig.preset(spec), None, None
     path = Path(spec)
     if not path.is_file():

@@ -34,3 +34,8 @@ def test_cli_prints_slopes_and_writes_the_plot(tmp_path: Path, capsys) -> None:
     assert "already exists" in capsys.readouterr().err
     assert main(["scaling", "mup-check", "--widths", "16"]) == 2
     assert "two or more multiples of 4" in capsys.readouterr().err
+
+
+def test_account_reads_depth_presets(capsys) -> None:
+    assert main(["scaling", "account", "depth-6-mup"]) == 0
+    assert "6 layers, width 384, 6 heads" in capsys.readouterr().out
