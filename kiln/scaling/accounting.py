@@ -184,7 +184,8 @@ def layer_activation_bytes(cfg: ModelConfig, precision: str = "amp-bf16") -> int
     q_out, kv_out = n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
     elements = 2 * d + (q_out + 2 * kv_out) + q_out
     elements += q_out + kv_out if cfg.pos_emb == "rope" else 0
-    elements += 4 * ff if cfg.mlp == "swiglu" else 2 * ff
+    # gated: gate, up, act(gate), product; ReLU's output is also proj's input; else input + output
+    elements += 4 * ff if cfg.gated else ff if cfg.mlp == "relu" else 2 * ff
     return 2 * _norm_bytes(cfg, precision) + elements * act + 4 * n_head + _qk_norm_bytes(cfg)
 
 

@@ -28,6 +28,9 @@ VARIANTS = {
     "gpt": GPT_STYLE,
     "untied-qknorm-bias": dict(tie_embeddings=False, qk_norm=True, bias=True, n_layer=3),
     "gelu-rope-layernorm": dict(norm="layernorm", mlp="gelu", n_embd=96, n_head=6, n_kv_head=3),
+    "geglu": dict(mlp="geglu"),  # issue #21's activations: what each saves for backward differs
+    "relu": dict(mlp="relu"),
+    "relu2": dict(mlp="relu2"),
 }
 
 
