@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arch import DEFAULT_CACHE, config, prepare, train
+from arch import DEFAULT_CACHE, config, loss_at, prepare, train
 
 from kiln.model import ModelConfig, Transformer
 from kiln.tokenizer import Tokenizer
@@ -87,12 +86,8 @@ def side_by_side_tokens_per_s(names: list[str], vocab: int, rounds: int) -> dict
 
 
 def loss_at_step(curve: list[list[float]], step: float) -> float:
-    """Val loss at `step`, linearly interpolated along the curve (step, seconds, loss)."""
-    points = [(c[0], c[2]) for c in curve]
-    for (s0, v0), (s1, v1) in itertools.pairwise(points):
-        if s0 <= step <= s1:
-            return v0 + (v1 - v0) * (step - s0) / max(s1 - s0, 1e-9)
-    return points[-1][1] if step >= points[-1][0] else points[0][1]
+    """Val loss at `step`, interpolated along the curve (arch.loss_at, with steps as the clock)."""
+    return loss_at([(c[0], c[0], c[2]) for c in curve], step)
 
 
 def main() -> int:
