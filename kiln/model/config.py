@@ -504,38 +504,15 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see `PRESETS`), with optional field overrides."""
-        if name.startswith("depth-"):
+        if name.startswith("depth-"):  # the depth-derived family (kiln/model/depth.py)
+            from kiln.model.depth import depth_preset
+
             return cls.from_dict({**depth_preset(name), **overrides})
         if name not in PRESETS:
             raise ModelConfigError(
                 f"unknown model preset {name!r}; known: {', '.join(PRESETS)}, depth-N, depth-N-mup"
             )
         return cls.from_dict({**PRESETS[name], **overrides})
-
-
-DEPTH_ASPECT = 64  # n_embd per layer in the depth family (nanochat's aspect ratio)
-DEPTH_HEAD_DIM = 64
-DEPTH_MUP_BASE = 4  # depth-N-mup: µP relative to depth 4's width (256)
-
-
-def depth_preset(name: str) -> dict[str, Any]:
-    """`depth-N` (or `depth-N-mup`): one knob sets depth, width (64·N) and heads (width / 64).
-
-    The Llama-style switches; with `-mup`, µP relative to depth 4, so learning rates tuned at
-    depth 4 carry over (kiln/train/mup.py derives each group's rate from the width multiplier).
-    """
-    body = name.removeprefix("depth-").removesuffix("-mup")
-    _require(
-        body.isdigit() and int(body) >= 1,
-        f"depth preset must be depth-N or depth-N-mup with N >= 1, got {name!r}",
-    )
-    depth = int(body)
-    width = DEPTH_ASPECT * depth
-    out = {**_LLAMA, "n_layer": depth, "n_embd": width, "n_head": width // DEPTH_HEAD_DIM}
-    out["n_head"] = max(1, out["n_head"])
-    if name.endswith("-mup"):
-        out["mup_base_width"] = DEPTH_ASPECT * DEPTH_MUP_BASE
-    return out
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
