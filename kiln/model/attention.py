@@ -29,14 +29,15 @@ def attend(
     *,
     scale: float | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention output (B, H, T, Dv) by the configured backend.
 
-    scale defaults to 1/√D; sinks (H,) are per-head logits of a key with no value (gpt-oss), which
-    only the math path implements (SDPA has no such input).
+    scale defaults to 1/√D; sinks (H,) are per-head logits of a key with no value (gpt-oss) and
+    softcap maps scores to c·tanh(s/c) (Gemma 2); only the math path implements those two.
     """
-    if backend == "math" or sinks is not None:
-        return math_attention(q, k, v, mask, scale=scale, sinks=sinks)
+    if backend == "math" or sinks is not None or softcap is not None:
+        return math_attention(q, k, v, mask, scale=scale, sinks=sinks, softcap=softcap)
     if backend == "triton" and mask is None and q.size(2) == k.size(2) and scale is None:
         out = triton_attention(q, k, v)
         if out is not None:
@@ -63,11 +64,13 @@ def math_attention(
     *,
     scale: float | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """The textbook formula softmax(q·kᵀ/√D)·v, with the weights materialised."""
     groups = q.size(1) // v.size(1)
     v = v.repeat_interleave(groups, dim=1)  # (B, H, S, Dv)
-    return attention_weights(q, k, mask, scale=scale, sinks=sinks) @ v  # (B, H, T, Dv)
+    weights = attention_weights(q, k, mask, scale=scale, sinks=sinks, softcap=softcap)
+    return weights @ v  # (B, H, T, Dv)
 
 
 def attention_weights(
@@ -77,6 +80,7 @@ def attention_weights(
     *,
     scale: float | None = None,
     sinks: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """The weights softmax(q·kᵀ/√D) (B, H, T, S) of q (B, H, T, D) over k (B, H_kv, S, D).
 
@@ -87,6 +91,8 @@ def attention_weights(
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, H, S, D)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     scores = scores.masked_fill(~mask, float("-inf")).float()

@@ -16,20 +16,24 @@ def attention_maps(model: Transformer, idx: Tensor) -> list[Tensor]:
     A forward pre-hook records each attention layer's inputs during one ordinary forward pass;
     the weights softmax(q·kᵀ/√D) are then recomputed from them with the layer's own projections.
     """
-    inputs: list[tuple[nn.Module, tuple[object, ...]]] = []
+    inputs: list[tuple[nn.Module, tuple[object, ...], dict[str, object]]] = []
 
-    def record(module: nn.Module, args: tuple[object, ...]) -> None:
-        inputs.append((module, args))
+    def record(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        inputs.append((module, args, kwargs))
 
-    handles = [block.attn.register_forward_pre_hook(record) for block in model.blocks]
+    handles = [
+        block.attn.register_forward_pre_hook(record, with_kwargs=True) for block in model.blocks
+    ]
     try:
         model.hidden(idx)
     finally:
         for handle in handles:
             handle.remove()
     maps = []
-    for attn, (x, rope, mask, *_) in inputs:
-        q, k, _ = attn.heads(x, rope)  # type: ignore[operator]
+    for attn, (x, rope, mask, *_), kwargs in inputs:
+        fused = [kwargs["qkv"]] if kwargs.get("qkv") is not None else []  # a parallel block's
+        q, k, _ = attn.heads(x, rope, *fused)  # type: ignore[operator]
         scale, sinks = getattr(attn, "scale", None), attn.sinks  # MLA's scale; learned sinks
-        maps.append(attention_weights(q, k, mask, scale=scale, sinks=sinks))  # type: ignore[arg-type]
+        softcap = getattr(attn, "softcap", None)
+        maps.append(attention_weights(q, k, mask, scale=scale, sinks=sinks, softcap=softcap))  # type: ignore[arg-type]
     return maps

@@ -14,6 +14,12 @@ from kiln import config as cfgio
 from kiln.config import ConfigError, require
 
 PARAM_COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
+# "gelu" is the tanh approximation (GPT-2's gelu_new), as it always was in kiln; "gelu_exact" is
+# erf-GELU. The gated kinds multiply an activated gate by an up projection (fused in one matrix).
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")
+POSITIONS = ("learned", "rope", "sinusoidal", "none")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 class ModelConfigError(ConfigError):
@@ -154,13 +160,15 @@ class ModelConfig:
     n_kv_head: int | None = None  # None: = n_head (multi-head); 1: multi-query
     n_embd: int = 768
     head_dim: int | None = None  # None: n_embd // n_head
-    mlp: str = "gelu"  # "gelu" (tanh approximation) | "swiglu"
-    d_ff: int | None = None  # None: 4·n_embd for gelu, Llama's 8/3·n_embd rounded for swiglu
+    mlp: str = (
+        "gelu"  # ACTIVATIONS: "gelu" (tanh), "gelu_exact", "relu", "relu2", "swiglu", "geglu"
+    )
+    d_ff: int | None = None  # None: 4·n_embd; gated (swiglu, geglu): 2/3 of that, rounded
     ff_multiple: int = 1  # a derived SwiGLU width is rounded up to this multiple
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     norm_eps: float = 1e-5
     bias: bool = True  # biases in every linear layer and LayerNorm
-    pos_emb: str = "learned"  # "learned" absolute positions | "rope" (HF split-half convention)
+    pos_emb: str = "learned"  # "learned" | "rope" (HF split-half) | "sinusoidal" | "none" (NoPE)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True  # LM head shares the token embedding's storage
@@ -175,21 +183,26 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (None: dense)
     mla: MLAConfig | None = None  # multi-head latent attention (None: GQA / MHA)
     attn_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss)
+    rotary_fraction: float = 1.0  # partial RoPE: the first fraction of each head's dims rotate
+    norm_placement: str = "pre"  # "pre" | "post" (original Transformer) | "sandwich" (Gemma 2)
+    norm_scale: bool = True  # norms carry a learnable scale (and LayerNorm its bias if `bias`)
+    parallel_block: bool = False  # x + attn(n(x)) + mlp(n(x)) (GPT-J / PaLM / GPT-NeoX)
+    parallel_norms: int = 1  # 1: one shared norm, input projections fused; 2: one each (NeoX)
+    embed_scale: bool = False  # token embeddings × √n_embd (original Transformer, Gemma)
+    attn_scale: float | None = None  # query-key scale; None: 1/√head_dim (µP: √D₀/D, see below)
+    attn_softcap: float | None = None  # attention scores -> c·tanh(s / c) (Gemma 2)
+    mup_base_width: int | None = None  # µP relative to this n_embd (kiln/train/mup.py); None: SP
 
     def __post_init__(self) -> None:
         """Reject configs that cannot build a model, naming the field and what was expected."""
         for name in ("vocab_size", "vocab_multiple", "block_size", "n_layer", "n_head", "n_embd"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _require(
-            self.mlp in ("gelu", "swiglu"), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}"
-        )
+        _one_of("mlp", self.mlp, ACTIVATIONS)
+        _one_of("pos_emb", self.pos_emb, POSITIONS)
+        _one_of("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _require(
             self.norm in ("layernorm", "rmsnorm"),
             f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}",
-        )
-        _require(
-            self.pos_emb in ("learned", "rope"),
-            f"pos_emb must be 'learned' or 'rope', got {self.pos_emb!r}",
         )
         _require(
             self.attention_backend in ("sdpa", "math", "triton"),
@@ -207,8 +220,36 @@ class ModelConfig:
             f"n_kv_head ({self.kv_heads}) must divide n_head ({self.n_head})",
         )
         _require(self.head_size >= 1, f"head_dim must be >= 1, got {self.head_dim}")
+        _require(
+            0 < self.rotary_fraction <= 1,
+            f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}",
+        )
         if self.pos_emb == "rope":
-            _require(self.head_size % 2 == 0, f"RoPE needs an even head_dim, got {self.head_size}")
+            _require(
+                self.rope_dim % 2 == 0 and self.rope_dim >= 2,
+                f"RoPE needs an even rotated width >= 2, got {self.rope_dim} (head_dim "
+                f"{self.head_size} × rotary_fraction {self.rotary_fraction})",
+            )
+        if self.pos_emb == "sinusoidal":
+            _require(
+                self.n_embd % 2 == 0, f"sinusoidal positions need an even n_embd, got {self.n_embd}"
+            )
+        _require(
+            self.parallel_norms in (1, 2),
+            f"parallel_norms must be 1 or 2, got {self.parallel_norms}",
+        )
+        _require(
+            not self.parallel_block or self.norm_placement == "pre",
+            f"parallel_block needs norm_placement = 'pre', got {self.norm_placement!r}",
+        )
+        for name in ("attn_scale", "attn_softcap"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be > 0 (or None), got {value}")
+        _require(
+            self.mup_base_width is None or self.mup_base_width >= 1,
+            f"mup_base_width must be >= 1 (or None for standard parameterisation), got "
+            f"{self.mup_base_width}",
+        )
         _require(self.d_ff is None or self.d_ff >= 1, f"d_ff must be >= 1, got {self.d_ff}")
         _require(self.ff_multiple >= 1, f"ff_multiple must be >= 1, got {self.ff_multiple}")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
@@ -260,19 +301,56 @@ class ModelConfig:
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (SwiGLU, GeGLU): three matrices, gate and up fused."""
+        return self.mlp in GATED
+
+    @property
     def ff_size(self) -> int:
         """Hidden width of the MLP."""
         if self.d_ff is not None:
             return self.d_ff
-        if self.mlp == "gelu":
+        if not self.gated:
             return 4 * self.n_embd
-        hidden = int(2 * 4 * self.n_embd / 3)  # SwiGLU's 3 matrices cost what GELU's 2 do at 4x
+        hidden = int(2 * 4 * self.n_embd / 3)  # a gated MLP's 3 matrices cost what 2 do at 4x
         return -(-hidden // self.ff_multiple) * self.ff_multiple
 
     @property
     def rope_dim(self) -> int:
-        """Width RoPE rotates per head: the decoupled RoPE part under MLA, else the whole head."""
-        return self.mla.rope_dim if self.mla is not None else self.head_size
+        """Width RoPE rotates per head: MLA's decoupled part, else rotary_fraction of the head."""
+        return (
+            self.mla.rope_dim
+            if self.mla is not None
+            else int(self.head_size * self.rotary_fraction)
+        )
+
+    @property
+    def width_mult(self) -> float:
+        """µP's width multiplier n_embd / mup_base_width (1 under standard parameterisation)."""
+        return 1.0 if self.mup_base_width is None else self.n_embd / self.mup_base_width
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The query-key scale attention uses; None: 1/√D.
+
+        µP scales by 1/D rather than 1/√D: √D₀/D with D₀ = D / width_mult, the head width at the
+        base width, so it equals 1/√D₀ there (heads kept fixed as width grows).
+        """
+        if self.attn_scale is not None or self.mup_base_width is None:
+            return self.attn_scale
+        return 1.0 / (self.qk_head_dim * self.width_mult) ** 0.5
+
+    @property
+    def norms_per_block(self) -> int:
+        """Norm layers in one block: 2, 4 with sandwich norms, 1 in a shared-norm parallel block."""
+        if self.norm_placement == "sandwich":
+            return 4
+        return 1 if self.parallel_block and self.parallel_norms == 1 else 2
+
+    @property
+    def fused_input(self) -> bool:
+        """Whether a layer's QKV and MLP input projections are one matrix (shared-norm parallel)."""
+        return self.parallel_block and self.parallel_norms == 1 and self.mla is None
 
     @property
     def qk_head_dim(self) -> int:
@@ -327,8 +405,12 @@ class ModelConfig:
         counts only the top_k routed experts a token uses (plus router and shared experts).
         """
         d, L = self.n_embd, self.n_layer
-        norm_scale = 2 if self.norm == "layernorm" and self.bias else 1  # weight (+ bias)
-        norms = 2 * norm_scale * d + (2 * norm_scale * self.head_size if self.qk_norm else 0)
+        norm_scale = (2 if self.norm == "layernorm" and self.bias else 1) * self.norm_scale
+        qk_norms = 2 * norm_scale * self.head_size if self.qk_norm else 0
+        norms = self.norms_per_block * norm_scale * d + qk_norms
+        final_norm = (
+            0 if self.norm_placement == "post" else norm_scale * d
+        )  # post: blocks end normed
         if self.mla is not None:  # the latent RMSNorms (weight only)
             norms += self.mla.kv_rank + (self.mla.q_rank or 0)
         sinks = self.n_head if self.attn_sinks else 0
@@ -337,7 +419,7 @@ class ModelConfig:
             + (self.block_size * d if self.pos_emb == "learned" else 0),
             "attention": L * (self._attention_params(self.bias) + sinks),
             "mlp": sum(self._layer_mlp_params(i, self.bias, active) for i in range(L)),
-            "norms": L * norms + norm_scale * d,  # every block's two (+ q/k norms), the final one
+            "norms": L * norms + final_norm,  # every block's norms (+ q/k norms), the final one
             "head": 0 if self.tie_embeddings else self.padded_vocab_size * d,
         }
 
@@ -384,7 +466,7 @@ class ModelConfig:
     def _mlp_params(self, bias: bool, ff: int | None = None) -> int:
         """One block's MLP: fused gate+up (SwiGLU) or fc, then proj (with their biases if `bias`)."""
         d, ff = self.n_embd, ff or self.ff_size
-        n_in = 2 if self.mlp == "swiglu" else 1
+        n_in = 2 if self.gated else 1
         return (n_in + 1) * d * ff + (n_in * ff + d if bias else 0)
 
     def _layer_mlp_params(self, layer: int, bias: bool, active: bool = False) -> int:
@@ -392,7 +474,7 @@ class ModelConfig:
         if self.moe is None or not self.is_moe_layer(layer):
             return self._mlp_params(bias)
         m, d, fe = self.moe, self.n_embd, self.expert_size
-        expert = (3 if self.mlp == "swiglu" else 2) * d * fe  # experts have no biases
+        expert = (3 if self.gated else 2) * d * fe  # experts have no biases
         shared = self._mlp_params(bias, m.n_shared * fe) if m.n_shared else 0
         return d * m.n_experts + (m.top_k if active else m.n_experts) * expert + shared
 
@@ -422,9 +504,22 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see `PRESETS`), with optional field overrides."""
+        if name.startswith("depth-"):  # the depth-derived family (kiln/model/depth.py)
+            from kiln.model.depth import depth_preset
+
+            return cls.from_dict({**depth_preset(name), **overrides})
         if name not in PRESETS:
-            raise ModelConfigError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+            raise ModelConfigError(
+                f"unknown model preset {name!r}; known: {', '.join(PRESETS)}, depth-N, depth-N-mup"
+            )
         return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Reject a string switch outside its allowed values, naming them."""
+    _require(
+        value in allowed, f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+    )
 
 
 # GPT-2 is the dataclass default; the Llama-style family swaps every switch at once.

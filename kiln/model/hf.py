@@ -28,6 +28,14 @@ from kiln.model.hf_families import (
     layer_from_hf,
     layer_to_hf,
 )
+from kiln.model.hf_neox_gemma import (
+    SWITCH_FAMILIES,
+    switch_config_from_hf,
+    switch_config_to_hf,
+    switch_family_of,
+    switch_state_from_hf,
+    switch_state_to_hf,
+)
 from kiln.model.transformer import Transformer
 
 # kiln fields with no HF counterpart. The whole kiln config is kept in config.json under "kiln"
@@ -101,10 +109,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         if cfg.bias:
             raise KilnError(f"HF {model_type} with attention_bias is not supported")
         cfg = dataclasses.replace(cfg, **family_fields_from_hf(hf, model_type))
+    elif model_type in SWITCH_FAMILIES:  # GPT-NeoX, Gemma 2 (hf_neox_gemma.py)
+        cfg = switch_config_from_hf(hf, model_type)
     else:
         raise KilnError(
             f"unsupported HF model_type {model_type!r}; kiln reads 'gpt2', 'llama', "
-            f"{', '.join(repr(f) for f in FAMILIES)}"
+            f"{', '.join(repr(f) for f in FAMILIES + SWITCH_FAMILIES)}"
         )
     saved = hf.get("kiln") or {}
     try:
@@ -252,6 +262,8 @@ def _rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """An HF config dict for the family the config belongs to; a clear error if it fits neither."""
+    if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
+        return {**switch_config_to_hf(cfg, switch_family), "kiln": cfg.to_dict()}
     unsupported = [
         name
         for name, on in (
@@ -259,6 +271,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             ("attn_sinks", cfg.attn_sinks),
             ("logit_softcap", cfg.logit_softcap is not None),
             ("sliding_window", cfg.sliding_window is not None),
+            ("norm_placement", cfg.norm_placement != "pre"),  # issue #21's switches
+            ("parallel_block", cfg.parallel_block),
+            ("rotary_fraction", cfg.rotary_fraction != 1.0),
+            ("norm_scale=false", not cfg.norm_scale),
+            ("embed_scale", cfg.embed_scale),
+            ("attn_scale", cfg.attn_scale is not None),
+            ("attn_softcap", cfg.attn_softcap is not None),
+            ("mup_base_width", cfg.mup_base_width is not None),
         )
         if on
     ]
@@ -330,6 +350,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def state_dict_to_hf(model: Transformer) -> dict[str, Tensor]:
     """kiln weights under HF names (fused matrices split, GPT-2's transposed, padding removed)."""
     cfg, sd = model.cfg, model.state_dict()
+    if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
+        return {k: v.contiguous() for k, v in switch_state_to_hf(cfg, sd, switch_family).items()}
     V, q_out, kv_out = cfg.vocab_size, cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
     out: dict[str, Tensor] = {}
     if cfg.pos_emb == "learned":  # GPT-2
@@ -395,7 +417,9 @@ def state_dict_from_hf(
     """
     hf = {k.removeprefix("module."): v for k, v in hf.items()}
     out: dict[str, Tensor] = {}
-    if cfg.pos_emb == "learned":
+    if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
+        out = switch_state_from_hf(cfg, hf, switch_family, _take)
+    elif cfg.pos_emb == "learned":
         out["wte.weight"] = _take(hf, "transformer.wte.weight")
         out["wpe.weight"] = _take(hf, "transformer.wpe.weight")
         out["norm_f.weight"] = _take(hf, "transformer.ln_f.weight")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from kiln.model.attention import attend
 from kiln.model.config import ModelConfig
 from kiln.model.rope import apply_rope, rope_inv_freq, rope_tables
 
-__all__ = ["MLP", "Block", "CausalSelfAttention", "RMSNorm", "make_norm"]
+__all__ = ["MLP", "Block", "CausalSelfAttention", "RMSNorm", "activate", "make_norm"]
 __all__ += ["apply_rope", "rope_inv_freq", "rope_tables"]  # moved to rope.py; still importable
 
 if TYPE_CHECKING:
@@ -20,36 +20,53 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, computed in fp32 like the Llama reference."""
+    """x / rms(x) · weight, computed in fp32 like the Llama reference (no weight if not `scale`)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise the last dimension."""
-        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
+        w = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), (x.size(-1),), w, self.eps).type_as(x)
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """The config's normalisation layer over `dim` features."""
     if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_scale)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, elementwise_affine=cfg.norm_scale, bias=cfg.bias)
+
+
+def activate(kind: str, h: Tensor) -> Tensor:
+    """The MLP nonlinearity on the input projection h (..., F), or (..., 2F) [gate | up] if gated."""
+    if kind in ("swiglu", "geglu"):
+        gate, up = h.chunk(2, dim=-1)
+        gate = F.silu(gate) if kind == "swiglu" else F.gelu(gate, approximate="tanh")
+        return gate * up  # (..., F)
+    if kind == "relu":
+        return F.relu(h)
+    if kind == "relu2":
+        return F.relu(h).square()  # modded-nanogpt's ReLU²
+    return F.gelu(h, approximate="tanh" if kind == "gelu" else "none")
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with a fused QKV projection; grouped-query when n_kv_head < n_head."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, fused_input: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
         self.window = cfg.layer_window(layer)
         self.backend = cfg.attention_backend
+        self.scale, self.softcap = cfg.attention_scale, cfg.attn_softcap
         q_out, kv_out = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.qkv = nn.Linear(cfg.n_embd, q_out + 2 * kv_out, bias=cfg.bias)
+        self.in_width = q_out + 2 * kv_out
+        # fused_input: the block's one input projection computes q, k, v (parallel blocks)
+        self.qkv = None if fused_input else nn.Linear(cfg.n_embd, self.in_width, bias=cfg.bias)
         self.proj = nn.Linear(q_out, cfg.n_embd, bias=cfg.bias)
         self.q_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, self.head_dim) if cfg.qk_norm else None
@@ -62,24 +79,36 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         mask: Tensor | None,
         cache: AttentionCache | None = None,
+        qkv: Tensor | None = None,
     ) -> Tensor:
-        """Attention output (B, T, C) of x (B, T, C)."""
+        """Attention output (B, T, C) of x (B, T, C) (or of its fused projection qkv)."""
         B, T, _ = x.shape
-        q, k, v = self.heads(x, rope)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
-        if cache is not None and hasattr(cache, "attend") and self.sinks is None:
+        q, k, v = self.heads(x, rope, qkv)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        own_softmax = self.sinks is not None or self.softcap is not None
+        if cache is not None and hasattr(cache, "attend") and not own_softmax:
+            if self.scale is not None:  # the paged kernels scale by 1/√D: fold ours into q
+                q = q * (self.scale * self.head_dim**0.5)
             y = cache.attend(self.layer, q, k, v, self.window)  # a paged cache attends itself
-        else:  # sinks need kiln's own softmax: a paged cache then refuses `update`, not wrong
+        else:  # sinks and soft-caps need kiln's own attend: a paged cache then refuses
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
-            y = attend(q, k, v, mask, self.backend, sinks=self.sinks)  # (B, H, T, D)
+            y = attend(
+                q, k, v, mask, self.backend, scale=self.scale, sinks=self.sinks,
+                softcap=self.softcap,
+            )  # (B, H, T, D)  # fmt: skip
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
         return self.drop(self.proj(y))
 
-    def heads(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    def heads(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, qkv: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of x, normed and rotated."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if qkv is None:
+            assert self.qkv is not None, "a fused-input attention is given its projection"
+            qkv = self.qkv(x)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
@@ -91,40 +120,57 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: GELU (tanh) or SwiGLU, gate and up projections fused."""
+    """Position-wise feed-forward: `activate(cfg.mlp)` between two projections (gate+up fused)."""
 
-    def __init__(self, cfg: ModelConfig, ff_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ff_size: int | None = None, fused_input: bool = False):
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
-        n_in = 2 if self.swiglu else 1
+        self.kind, self.gated = cfg.mlp, cfg.gated
+        self.swiglu = self.gated  # parallelize.py shards a fused [gate | up] by this flag
         ff_size = ff_size or cfg.ff_size
-        self.fc = nn.Linear(cfg.n_embd, n_in * ff_size, bias=cfg.bias)
+        self.in_width = (2 if self.gated else 1) * ff_size
+        # fused_input: the block's one input projection computes this MLP's input (parallel)
+        self.fc = None if fused_input else nn.Linear(cfg.n_embd, self.in_width, bias=cfg.bias)
         self.proj = nn.Linear(ff_size, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, T, C) -> (B, T, C)."""
-        h = self.fc(x)  # (B, T, F) or (B, T, 2F)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up  # (B, T, F)
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.drop(self.proj(h))
+    def forward(self, x: Tensor, h: Tensor | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C); h: the input projection when the block computed it (fused)."""
+        if h is None:
+            assert self.fc is not None, "a fused-input MLP is given its projection"
+            h = self.fc(x)  # (B, T, F) or (B, T, 2F)
+        return self.drop(self.proj(activate(self.kind, h)))  # (B, T, C)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """A residual block; cfg.norm_placement and cfg.parallel_block choose the wiring.
+
+    pre:       x + attn(n1(x)), then x + mlp(n2(x))
+    post:      n1(x + attn(x)), then n2(x + mlp(x))                  (original Transformer, BERT)
+    sandwich:  x + n1b(attn(n1(x))), then x + n2b(mlp(n2(x)))       (Gemma 2, OLMo 2)
+    parallel:  x + attn(n1(x)) + mlp(n1(x)) (GPT-J, PaLM: one fused input projection), or
+               x + attn(n1(x)) + mlp(n2(x)) with parallel_norms = 2 (GPT-NeoX)
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         from kiln.model.mla import LatentAttention
         from kiln.model.moe import MoE
 
+        self.placement, self.parallel = cfg.norm_placement, cfg.parallel_block
+        fused = cfg.fused_input and not cfg.is_moe_layer(layer)
         self.norm1 = make_norm(cfg, cfg.n_embd)
-        self.attn = LatentAttention(cfg, layer) if cfg.mla else CausalSelfAttention(cfg, layer)
-        self.norm2 = make_norm(cfg, cfg.n_embd)
-        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.attn = (
+            LatentAttention(cfg, layer) if cfg.mla else CausalSelfAttention(cfg, layer, fused)
+        )
+        self.norm2 = make_norm(cfg, cfg.n_embd) if cfg.norms_per_block != 1 else None
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg, fused_input=fused)
+        self.in_proj = None  # (C, qkv + mlp input): one matmul feeds both branches
+        if fused:
+            width = self.attn.in_width + self.mlp.in_width
+            self.in_proj = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
+        sandwich = cfg.norm_placement == "sandwich"
+        self.norm1_post = make_norm(cfg, cfg.n_embd) if sandwich else None
+        self.norm2_post = make_norm(cfg, cfg.n_embd) if sandwich else None
 
     def forward(
         self,
@@ -134,5 +180,24 @@ class Block(nn.Module):
         cache: AttentionCache | None = None,
     ) -> Tensor:
         """(B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.norm1(x), rope, masks[self.attn.window], cache)
-        return x + self.mlp(self.norm2(x))
+        mask = masks[self.attn.window]
+        if self.parallel:
+            return x + self._parallel(x, rope, mask, cache)
+        if self.placement == "post":
+            x = self.norm1(x + self.attn(x, rope, mask, cache))
+            return self.norm2(x + self.mlp(x))
+        a = self.attn(self.norm1(x), rope, mask, cache)  # (B, T, C)
+        x = x + (a if self.norm1_post is None else self.norm1_post(a))
+        m = self.mlp(self.norm2(x))
+        return x + (m if self.norm2_post is None else self.norm2_post(m))
+
+    def _parallel(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor | None, cache: Any
+    ) -> Tensor:
+        """attn(n1(x)) + mlp(n1(x) or n2(x)), through the fused input projection when there is one."""
+        h = self.norm1(x)  # (B, T, C)
+        if self.in_proj is None:
+            mlp_in = h if self.norm2 is None else self.norm2(x)
+            return self.attn(h, rope, mask, cache) + self.mlp(mlp_in)
+        qkv, up = self.in_proj(h).split([self.attn.in_width, self.mlp.in_width], dim=-1)
+        return self.attn(h, rope, mask, cache, qkv=qkv) + self.mlp(h, h=up)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.model.config import ModelConfig
-from kiln.model.layers import MLP
+from kiln.model.layers import MLP, activate
 
 
 class GroupedLinear(nn.Module):
@@ -72,19 +72,14 @@ class Experts(nn.Module):
         assert cfg.moe is not None
         E, C, F_ = cfg.moe.n_experts, cfg.n_embd, cfg.expert_size
         self.n_experts = E
-        self.swiglu = cfg.mlp == "swiglu"
-        self.fc = GroupedLinear(E, C, (2 if self.swiglu else 1) * F_)
+        self.kind = cfg.mlp
+        self.fc = GroupedLinear(E, C, (2 if cfg.gated else 1) * F_)
         self.proj = GroupedLinear(E, F_, C)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """Rows x (A, C) grouped by expert -> each row through its expert (A, C)."""
         h = self.fc(x, counts)  # (A, 2F) or (A, F)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.proj(h, counts)
+        return self.proj(activate(self.kind, h), counts)
 
 
 def dispatch(

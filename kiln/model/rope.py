@@ -121,7 +121,12 @@ def rope_tables(
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) of x (B, H, T, D) by the angles in cos, sin (T or B,1,T; D)."""
+    """Rotate pairs (x_i, x_{i+R/2}) of x (B, H, T, D) by the angles in cos, sin (T or B,1,T; R).
+
+    With R < D (partial RoPE, GPT-NeoX / Phi) only the first R dims rotate; the rest pass through.
+    """
+    if (rot := cos.size(-1)) < x.size(-1):
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)  # (B, H, T, D)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -35,13 +35,15 @@ class Transformer(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, C) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm_f = make_norm(cfg, C)
+        # post-norm blocks already end in a norm (the original Transformer has no final one)
+        self.norm_f = make_norm(cfg, C) if cfg.norm_placement != "post" else nn.Identity()
         self.lm_head = nn.Linear(C, V, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one Parameter, one storage
         # RoPE tables are derived data, not state: rebuilt by init_weights, never checkpointed.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("pos_table", torch.empty(0), persistent=False)  # sinusoidal
         self.init_weights()
         n_module = sum(p.numel() for p in self.parameters())
         if n_module != cfg.num_params():
@@ -62,7 +64,8 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() == 1:  # norm scales
                 nn.init.ones_(p)
-            elif name.endswith("proj.weight"):  # attn.proj and mlp.proj write into the residual
+            elif name.endswith("proj.weight") and not name.endswith("in_proj.weight"):
+                # attn.proj and mlp.proj write into the residual
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
@@ -75,9 +78,12 @@ class Transformer(nn.Module):
         self.init_rope()
 
     def init_rope(self) -> None:
-        """(Re)build the RoPE cos/sin tables on the parameters' device."""
+        """(Re)build the RoPE cos/sin (or sinusoidal position) tables on the parameters' device."""
         if self.cfg.pos_emb == "rope":
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.wte.weight.device)
+        if self.cfg.pos_emb == "sinusoidal":
+            self.pos_table = sinusoidal_table(self.cfg.block_size, self.cfg.n_embd)
+            self.pos_table = self.pos_table.to(self.wte.weight.device)
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
         """As nn.Module.to_empty (materialise a meta-device model), keeping a tied head tied.
@@ -106,18 +112,23 @@ class Transformer(nn.Module):
         if targets is None:
             return self.logits(h)
         loss = lm_loss(
-            h, self.lm_head.weight, targets, self.cfg.vocab_size, self.cfg.logit_softcap,
+            self._head_input(h), self.lm_head.weight, targets, self.cfg.vocab_size, self.cfg.logit_softcap,
             self.cfg.z_loss,
         )  # fmt: skip
         return loss + moe_aux_loss(self) if self.cfg.moe is not None and self.training else loss
 
     def logits(self, h: Tensor) -> Tensor:
         """Head over final hidden states (..., C) -> logits (..., vocab_size), soft-capped if set."""
-        logits = self.lm_head(h)[..., : self.cfg.vocab_size]  # padding columns sliced off
+        logits = self.lm_head(self._head_input(h))[..., : self.cfg.vocab_size]  # padding sliced off
         if self.cfg.logit_softcap is not None:
             c = self.cfg.logit_softcap
             logits = c * torch.tanh(logits / c)
         return logits
+
+    def _head_input(self, h: Tensor) -> Tensor:
+        """µP's output multiplier 1/width_mult on the head's input (1 under SP: h unchanged)."""
+        m = self.cfg.width_mult
+        return h if m == 1.0 else h * (1.0 / m)
 
     def hidden(
         self, idx: Tensor, cache: AttentionCache | None = None, segments: Tensor | None = None
@@ -140,8 +151,12 @@ class Transformer(nn.Module):
                 raise KilnError("packed segments are for training passes, not cached decoding")
             pos = segment_positions(segments)  # (B, T)
         x = self.wte(idx)  # (B, T, C)
+        if self.cfg.embed_scale:
+            x = x * torch.tensor(self.cfg.n_embd**0.5, dtype=x.dtype)
         if self.wpe is not None:
             x = x + self.wpe(pos)  # pos (T,) or (B, T)
+        elif self.cfg.pos_emb == "sinusoidal":
+            x = x + self.pos_table[pos].to(x.dtype)
         x = self.drop(x)
         rope = None
         if self.cfg.pos_emb == "rope":
@@ -173,3 +188,15 @@ class Transformer(nn.Module):
             else attention_mask(slots, n_keys, w, first_valid, segments)
             for w in windows
         }
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> Tensor:
+    """The original Transformer's fixed positions (P, C): sin at even dims, cos at odd dims.
+
+    PE[p, 2i] = sin(p / 10000^(2i/C)), PE[p, 2i+1] = cos(p / 10000^(2i/C)).
+    """
+    pos = torch.arange(n_positions, dtype=torch.float32)[:, None]  # (P, 1)
+    inv = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (C/2,)
+    table = torch.zeros(n_positions, dim)
+    table[:, 0::2], table[:, 1::2] = torch.sin(pos * inv), torch.cos(pos * inv)
+    return table

@@ -139,15 +139,23 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
     if optimizer == "adamw":
         return 8 * n + 4 * tensors
     hidden = cfg.num_matmul_params() - cfg.padded_vocab_size * cfg.n_embd
-    hidden_tensors = cfg.n_layer * 4  # qkv, attn proj, mlp fc, mlp proj
+    hidden_tensors = cfg.n_layer * _linears_per_layer(cfg)  # qkv, attn proj, mlp fc, mlp proj
     return 4 * hidden + 8 * (n - hidden) + 4 * (tensors - hidden_tensors)
+
+
+def _linears_per_layer(cfg: ModelConfig) -> int:
+    """Linear layers in one dense block: 4, or 3 when a parallel block fuses qkv and the MLP input."""
+    return 3 if cfg.fused_input else 4
 
 
 def param_tensor_count(cfg: ModelConfig) -> int:
     """Number of distinct parameter tensors (a tied head is the embedding's own)."""
-    norm_scale = 2 if cfg.norm == "layernorm" and cfg.bias else 1
-    per_layer = 4 + (4 if cfg.bias else 0) + 2 * norm_scale + (2 * norm_scale if cfg.qk_norm else 0)
-    outside = 1 + (cfg.pos_emb == "learned") + (not cfg.tie_embeddings) + norm_scale
+    norm_scale = (2 if cfg.norm == "layernorm" and cfg.bias else 1) * cfg.norm_scale
+    linears = _linears_per_layer(cfg) * (2 if cfg.bias else 1)
+    qk_norms = 2 * norm_scale if cfg.qk_norm else 0
+    per_layer = linears + cfg.norms_per_block * norm_scale + qk_norms
+    final_norm = 0 if cfg.norm_placement == "post" else norm_scale
+    outside = 1 + (cfg.pos_emb == "learned") + (not cfg.tie_embeddings) + final_norm
     return cfg.n_layer * per_layer + outside
 
 
@@ -176,7 +184,8 @@ def layer_activation_bytes(cfg: ModelConfig, precision: str = "amp-bf16") -> int
     q_out, kv_out = n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
     elements = 2 * d + (q_out + 2 * kv_out) + q_out
     elements += q_out + kv_out if cfg.pos_emb == "rope" else 0
-    elements += 4 * ff if cfg.mlp == "swiglu" else 2 * ff
+    # gated: gate, up, act(gate), product; ReLU's output is also proj's input; else input + output
+    elements += 4 * ff if cfg.gated else ff if cfg.mlp == "relu" else 2 * ff
     return 2 * _norm_bytes(cfg, precision) + elements * act + 4 * n_head + _qk_norm_bytes(cfg)
 
 

@@ -1,4 +1,5 @@
-"""`kiln scaling account|plan|sweep|run|fit`: accounting, plans, IsoFLOP sweeps and their fits."""
+"""`kiln scaling account|plan|sweep|run|fit|mup-check`: accounting, plans, IsoFLOP sweeps and their
+fits, and µP's coordinate check."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ RUN_EXAMPLES = """examples:
 FIT_EXAMPLES = """examples:
   kiln scaling fit sweeps/tiny --out sweeps/tiny/fit
   kiln scaling fit results.csv --out fit --starts 0   # columns: params,tokens,budget,loss"""
+
+
+MUP_CHECK_EXAMPLES = """examples:
+  kiln scaling mup-check --plot docs/images/mup_coord_check.png
+  kiln scaling mup-check --widths 32,64,128,256 --steps 4 --optimizer muon --json"""
 
 
 def register(sub: Any) -> None:
@@ -117,6 +123,21 @@ def register(sub: Any) -> None:
     )
     p.set_defaults(handler=run_fit)
 
+    p = add_subcommand(group, "mup-check",
+                       "activation size per layer across widths after a few steps, SP vs µP",
+                       MUP_CHECK_EXAMPLES)  # fmt: skip
+    p.add_argument("--widths", default="64,128,256,512",
+                   help="comma-separated n_embd values; µP's base is the smallest (default "
+                   "64,128,256,512)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=5, help="updates before measuring (default 5)")
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate (default 0.02)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default) or muon")
+    p.add_argument("--layers", type=int, default=2, help="n_layer of the model (default 2)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="write the curves as this PNG")
+    p.add_argument("--force", action="store_true", help="replace an existing --plot file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=run_mup_check)
+
 
 # ---- account -----------------------------------------------------------------------------------
 
@@ -126,7 +147,7 @@ def load_model(spec: str) -> tuple[Any, int | None, int | None]:
     from kiln import config as cfgio
     from kiln.model.config import PRESETS, ModelConfig
 
-    if spec in PRESETS:
+    if spec in PRESETS or spec.startswith("depth-"):  # depth-N, depth-N-mup: derived presets
         return ModelConfig.preset(spec), None, None
     path = Path(spec)
     if not path.is_file():
@@ -361,4 +382,43 @@ def run_fit(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note: {note}")
     print(f"kiln scaling fit: wrote {out / 'fit.json'}, {', '.join(p.name for p in pngs)}")
+    return 0
+
+
+# ---- mup-check ---------------------------------------------------------------------------------
+
+
+def run_mup_check(args: argparse.Namespace) -> int:
+    """Coordinate check under SP and µP; a slope table (or JSON) and optionally the plot."""
+    from kiln.io import check_can_write
+    from kiln.scaling.mup_check import PARAMETERISATIONS, coord_check, format_checks, plot_checks
+
+    try:
+        widths = sorted({int(w) for w in args.widths.split(",")})
+    except ValueError:
+        raise KilnError(f"--widths must be comma-separated integers, got {args.widths!r}") from None
+    if len(widths) < 2 or widths[0] < 4 or any(w % 4 for w in widths):
+        raise KilnError(f"--widths needs two or more multiples of 4 (4 heads), got {args.widths!r}")
+    if args.optimizer not in ("adamw", "muon"):
+        raise KilnError(f"--optimizer must be adamw or muon, got {args.optimizer!r}")
+    if args.steps < 1 or args.layers < 1 or args.lr <= 0:
+        raise KilnError("--steps and --layers must be >= 1 and --lr > 0")
+    if args.plot is not None:
+        check_can_write(args.plot, args.force)
+    checks = [
+        coord_check(widths, p, steps=args.steps, lr=args.lr, optimizer=args.optimizer,
+                    n_layer=args.layers)
+        for p in PARAMETERISATIONS
+    ]  # fmt: skip
+    if args.json:
+        doc = {c.parameterisation: {"widths": c.widths, "scales": c.scales, "slopes": c.slopes()}
+               for c in checks}  # fmt: skip
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"mean |activation| after {args.steps} {args.optimizer} steps at lr {args.lr}, "
+              f"widths {widths} (µP base {widths[0]}); slope of log size vs log width:")  # fmt: skip
+        print(format_checks(checks))
+    if args.plot is not None:
+        title = f"coordinate check: {args.steps} {args.optimizer} steps, lr {args.lr}"
+        print(f"plot: {plot_checks(checks, args.plot, title)}")
     return 0

@@ -74,6 +74,7 @@ class TrainState:
     skipped_steps: int = 0
     rng: dict[str, Any] | None = None  # rank (as text) -> RNG states
     precision: dict[str, Any] | None = None  # kiln.devices.Precision.to_dict() of the run
+    mup: dict[str, Any] | None = None  # kiln.train.mup.mup_record: per-role lr and init (µP)
 
 
 # ---- RNG --------------------------------------------------------------------------------------
@@ -269,6 +270,7 @@ def publish(
             "dataset": state.dataset,
             "config": state.config,
             "precision": state.precision,
+            "mup": state.mup,
         }
         write_json_atomic(tmp / "state.json", doc)
         _fsync_dir(tmp)

@@ -3,7 +3,9 @@
 Weight decay pulls matrices toward zero; on embeddings (rows that see few updates), biases and
 norm scales it only hurts, so those go in an undecayed group. Muon orthogonalises the update of
 2-D hidden matrices; embeddings and the output head stay with AdamW, as its authors advise.
-Every group carries `peak_lr`, and the trainer sets `lr = peak_lr · schedule(step)`.
+Every group carries `peak_lr`, and the trainer sets `lr = peak_lr · schedule(step)`. Under µP
+(the model config's mup_base_width) hidden matrices get their own group at the rate
+kiln/train/mup.py derives; the other roles keep optim.lr.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from kiln.train.config import OptimConfig
+from kiln.train.mup import lr_multipliers
 
 HEAD_PREFIX = "lm_head."  # the output layer of kiln.model.Transformer
 
@@ -48,6 +51,7 @@ def decay_groups(
     named: list[tuple[str, nn.Parameter]],
     no_decay: list[tuple[str, nn.Parameter]],
     cfg: OptimConfig,
+    lr_scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """AdamW parameter groups: `named` decayed by cfg.weight_decay, `no_decay` not at all."""
     groups = [
@@ -57,7 +61,7 @@ def decay_groups(
          "weight_decay": 0.0},
     ]  # fmt: skip
     for g in groups:
-        g["peak_lr"] = g["lr"] = cfg.lr
+        g["peak_lr"] = g["lr"] = cfg.lr * lr_scale
     return [g for g in groups if g["params"]]
 
 
@@ -104,6 +108,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     no_decay = roles["embedding"] + roles["vector"]
     fused = cfg.fused if cfg.fused is not None else device.type in ("cuda", "cpu")
     adamw_kwargs = dict(betas=cfg.betas, eps=cfg.eps, fused=fused)
+    model_cfg = getattr(model, "cfg", None)
+    mup = model_cfg is not None and model_cfg.mup_base_width is not None
+    hidden_scale = lr_multipliers(model_cfg, cfg.name)["hidden"] if mup else 1.0
+    if cfg.name == "adamw" and mup:  # µP: the hidden matrices' group at lr / width_mult
+        groups = decay_groups(roles["hidden"], [], cfg, hidden_scale)
+        groups += decay_groups(roles["head"], no_decay, cfg)
+        return OptimizerSet([torch.optim.AdamW(groups, lr=cfg.lr, **adamw_kwargs)])
     if cfg.name == "adamw":
         groups = decay_groups(roles["hidden"] + roles["head"], no_decay, cfg)
         return OptimizerSet([torch.optim.AdamW(groups, lr=cfg.lr, **adamw_kwargs)])
@@ -111,8 +122,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     muon_group = {
         "params": [p for _, p in roles["hidden"]],
         "names": [n for n, _ in roles["hidden"]],
-        "peak_lr": cfg.lr,
-        "lr": cfg.lr,
+        "peak_lr": cfg.lr * hidden_scale,  # µP: lr / √width_mult (kiln/train/mup.py)
+        "lr": cfg.lr * hidden_scale,
     }
     muon = torch.optim.Muon(
         [muon_group], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,

@@ -140,6 +140,11 @@ class SplitLinear(nn.Module):
 def split_fused(model: nn.Module) -> None:
     """Replace every block's fused qkv (and SwiGLU fc) with a SplitLinear, in place."""
     for block in blocks_of(model):
+        if getattr(block, "in_proj", None) is not None:  # parallel block: qkv + MLP in one matrix
+            raise KilnError(
+                "tensor parallelism does not split a parallel block's fused input projection; "
+                "set model.parallel_norms = 2 (unfused) or parallel.tp = 1"
+            )
         attn = block.attn
         if isinstance(attn.qkv, nn.Linear):
             q, kv = attn.n_head * attn.head_dim, attn.n_kv_head * attn.head_dim

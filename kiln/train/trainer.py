@@ -63,6 +63,7 @@ from kiln.train.config import TrainConfig
 from kiln.train.distributed import DistInfo
 from kiln.train.loggers import Loggers, check_backends
 from kiln.train.metrics import MetricsLog, device_peak_flops, mfu
+from kiln.train.mup import apply_mup_init, mup_record
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.samples import ContinuationSampler, format_sample
 from kiln.train.schedule import lr_multiplier
@@ -165,6 +166,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg.train.seed)
         self.model = Transformer(self.model_cfg).to(self.device)
+        apply_mup_init(self.model)  # µP's init when model.mup_base_width is set (else no-op)
         if prepare_model is not None:
             prepare_model(self.model)
         # torchtitan's order: parallelize (FSDP2 shards the parameters in place), then build the
@@ -665,6 +667,7 @@ class Trainer:
             skipped_steps=self.skipped,
             rng={str(rank): rng for rank, rng in enumerate(rngs)},
             precision=self.precision.to_dict(),
+            mup=mup_record(self.model_cfg, self.cfg.optim.name, self.cfg.optim.lr),
         )
 
     def _scheduler_state(self) -> dict[str, Any]:

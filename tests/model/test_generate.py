@@ -29,6 +29,16 @@ FAMILIES = {
         mla={"kv_rank": 16, "q_rank": 24, "rope_dim": 8}, sliding_window=4, window_pattern="LG"
     ),
     "attn-sinks": llama_small(attn_sinks=True),
+    # issue #21's switches, each on its own (and two mixed)
+    "relu2-nope-post": llama_small(mlp="relu2", pos_emb="none", norm_placement="post"),
+    "geglu-sandwich-softcap": llama_small(
+        mlp="geglu", norm_placement="sandwich", attn_softcap=4.0, embed_scale=True
+    ),
+    "gelu-exact-sinusoidal": gpt2_small(mlp="gelu_exact", pos_emb="sinusoidal"),
+    "relu-no-norm-scale": gpt2_small(mlp="relu", norm_scale=False),
+    "parallel-fused-partial-rope": llama_small(parallel_block=True, rotary_fraction=0.5),
+    "parallel-two-norms-gqa": llama_small(parallel_block=True, parallel_norms=2),
+    "mup": llama_small(mup_base_width=32),
 }
 
 

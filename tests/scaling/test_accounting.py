@@ -28,6 +28,9 @@ VARIANTS = {
     "gpt": GPT_STYLE,
     "untied-qknorm-bias": dict(tie_embeddings=False, qk_norm=True, bias=True, n_layer=3),
     "gelu-rope-layernorm": dict(norm="layernorm", mlp="gelu", n_embd=96, n_head=6, n_kv_head=3),
+    "geglu": dict(mlp="geglu"),  # issue #21's activations: what each saves for backward differs
+    "relu": dict(mlp="relu"),
+    "relu2": dict(mlp="relu2"),
 }
 
 
@@ -138,6 +141,16 @@ def test_flops_by_hand_for_a_small_gpt() -> None:
     assert causal.forward_matmul == fc.forward_matmul
 
 
+def _addmm_inplace(self_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
+# The counter's registry has aten.addmm but not its in-place form, which the loss uses to
+# accumulate the head's weight gradient: count it by the same formula (2·m·k·n).
+IN_PLACE_ADDMM = {torch.ops.aten.addmm_: _addmm_inplace}
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_flops_match_torch_flop_counter(variant: str) -> None:
     """FlopCounterMode counts matmuls (2 per multiply-add) of a real forward and backward.
@@ -148,13 +161,7 @@ def test_flops_match_torch_flop_counter(variant: str) -> None:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    def addmm_inplace(self_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
-        (m, k), (_, n) = a_shape, b_shape
-        return 2 * m * k * n
-
-    # The counter's registry has aten.addmm but not its in-place form, which the loss uses to
-    # accumulate the head's weight gradient: count it by the same formula (2·m·k·n).
-    inplace = {torch.ops.aten.addmm_: addmm_inplace}
+    inplace = IN_PLACE_ADDMM
     cfg = ModelConfig.preset("tiny", **VARIANTS[variant], attention_backend="math")
     model = Transformer(cfg)
     B, T = 2, 32
