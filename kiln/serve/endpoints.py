@@ -163,12 +163,20 @@ def _usage_chunk(head: dict[str, Any], gen: Generation, done: list[Any]) -> byte
     return sse({**head, "choices": [], "usage": used})
 
 
+def held_tail(text: str, sent: str) -> str:
+    """The end of a finished sample's text that no token event carried (held back for a stop
+    string or an unfinished character when a stop token ended the sample)."""
+    return text[len(sent) :] if text.startswith(sent) else ""
+
+
 async def _stream_completion(
     service: Service, gen: Generation, head: dict[str, Any], req: CompletionRequest, want_lp: bool
 ) -> AsyncIterator[bytes]:
     extra = {"usage": None} if _wants_usage(req) else {}
     offsets: dict[int, int] = {}
+    sent: dict[int, str] = {}
     async for k, event in gen.events():
+        sent[k] = sent.get(k, "") + event.text
         if not event.text and not want_lp:
             continue
         lp = None
@@ -179,7 +187,8 @@ async def _stream_completion(
         yield sse({**head, "choices": [choice], **extra})
     done = await gen.results()
     for k, c in enumerate(done):
-        choice = {"index": k, "text": "", "logprobs": None, "finish_reason": finish_reason(c)}
+        tail = held_tail(c.text, sent.get(k, ""))
+        choice = {"index": k, "text": tail, "logprobs": None, "finish_reason": finish_reason(c)}
         yield sse({**head, "choices": [choice], **extra})
     if _wants_usage(req):
         yield _usage_chunk(head, gen, done)
@@ -220,13 +229,16 @@ async def _stream_chat(
 
     for k in range(req.n):
         yield chunk(k, {"role": "assistant", "content": ""})
+    sent: dict[int, str] = {}
     async for k, event in gen.events():
+        sent[k] = sent.get(k, "") + event.text
         if not event.text and not req.logprobs:
             continue
         lp = {"content": [service.chat_entry(event)], "refusal": None} if req.logprobs else None
         yield chunk(k, {"content": event.text}, lp)
     done = await gen.results()
     for k, c in enumerate(done):
-        yield chunk(k, {}, None, finish_reason(c))
+        tail = held_tail(c.text, sent.get(k, ""))
+        yield chunk(k, {"content": tail} if tail else {}, None, finish_reason(c))
     if _wants_usage(req):
         yield _usage_chunk(head, gen, done)

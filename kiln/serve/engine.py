@@ -195,6 +195,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.broken: str | None = None  # why the background loop died, if it did
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.steps = 0
@@ -217,6 +218,8 @@ class Engine:
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> RequestHandle:
         """Queue a request; every bad value is refused here with a KilnError naming the field."""
+        if self.broken is not None:
+            raise KilnError(f"the engine's loop has stopped ({self.broken}); restart the server")
         params = SamplingParams() if params is None else params
         ids = self._check(prompt_ids, params)
         handle = RequestHandle(self, ids, params.n)
@@ -453,6 +456,10 @@ class Engine:
             self.scheduler.remove(sample.seq)
             sample.seq.finished = True
         params = sample.request.params
+        if reason in ("stop", "cancelled"):
+            # Text held back (a possible stop-string start, an unfinished character) is the
+            # sample's own when a stop token or a cancel ends it: it belongs in the completion.
+            sample.text.append(sample.stream.finish())
         sample.done = Completion(
             sample.index, list(sample.generated), "".join(sample.text), reason,
             list(sample.events) if params.logprobs is not None else None, error,
@@ -504,7 +511,20 @@ class Engine:
                     self._wake.wait(0.1)
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # the loop must not die silently: its waiters would hang
+                self._break(exc)
+                return
+
+    def _break(self, exc: BaseException) -> None:
+        """The loop itself failed (not one request): fail every live request, refuse new ones."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            requests = [*self._requests.values(), *self._inbox]
+        for request in requests:
+            with contextlib.suppress(Exception):  # a waiter's event loop may be gone already
+                self._fail(request, exc)
 
     def _has_work(self) -> bool:
         return bool(self._inbox or self._cancels or self.scheduler.running

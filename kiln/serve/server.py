@@ -102,6 +102,8 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
             if state.ready and not state.draining
             else ("stopping" if state.draining else "loading")
         )
+        if service.engine.broken is not None:
+            status = "broken"  # the engine's loop died: nothing will be answered
         return JSONResponse(
             {"status": status, "model": options.model_name},
             status_code=200 if status == "ok" else 503,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.serve.engine import Engine
 from kiln.serve.sampling import SamplingParams
@@ -304,3 +305,42 @@ def test_a_failed_forward_fails_its_step_and_the_engine_goes_on(
     assert engine.stats().blocks_used == 0
     (ok,) = engine.generate([[1, 2, 3]], GREEDY)[0]
     assert ok.token_ids == reference(llama, [[1, 2, 3]], 12)[0]
+
+
+def test_text_held_for_a_stop_string_is_kept_when_end_of_text_ends_the_sample(
+    byte_tokenizer, make_engine
+) -> None:
+    from tests.model.helpers import build, llama_small
+
+    model = build(llama_small(vocab_size=257, block_size=64))
+    engine = make_engine(model, byte_tokenizer, eot_id=256)
+    # "ab" then end-of-text: "b" could start the stop string "bc", so it is held back...
+    params = SamplingParams(max_tokens=10, temperature=0, stop=("bc",),
+                            logits_processors=(forced(b"ab"),))  # fmt: skip
+    handle = engine.submit([104], params)
+    streamed = "".join(e.text for e in handle)
+    (c,) = handle.result()
+    assert streamed == "a" and c.finish_reason == "stop"
+    assert c.text == "ab"  # ...and is the sample's own text once end-of-text ends it
+    # An unfinished UTF-8 character at the end becomes U+FFFD, not nothing.
+    handle = engine.submit([104], SamplingParams(max_tokens=10, temperature=0,
+                                                 logits_processors=(forced(b"\xc3"),)))  # fmt: skip
+    list(handle)
+    assert handle.result()[0].text == "\ufffd"
+
+
+def test_a_dying_loop_fails_every_request_and_refuses_new_ones(llama, make_engine) -> None:
+    engine = make_engine(llama)
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+
+    def broken_schedule(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("scheduler bug")
+
+    engine.scheduler.schedule = broken_schedule  # type: ignore[method-assign]
+    engine.start()
+    (c,) = handle.result(timeout=30)
+    assert c.finish_reason == "error" and "scheduler bug" in (c.error or "")
+    assert engine.broken is not None
+    with pytest.raises(KilnError, match="loop has stopped"):
+        engine.submit([1, 2], SamplingParams(max_tokens=2))
+    del engine.scheduler.schedule  # the real one again, for the block audit
