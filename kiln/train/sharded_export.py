@@ -91,6 +91,16 @@ def save_sharded_hf_dir(
     """Write config.json + model.safetensors of the DCP checkpoint in `dcp_dir` into `out`."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from kiln.model.hf_families import family_of
+    from kiln.model.hf_neox_gemma import switch_family_of
+
+    family = family_of(cfg) or switch_family_of(cfg)
+    if family is not None:  # the streaming plan knows GPT-2's and Llama's tensor names only
+        raise KilnError(
+            f"{dcp_dir}: exporting a sharded {family} checkpoint is not supported yet; resume it "
+            "in one process (a resume reshards onto any mesh), save, and export that checkpoint"
+        )
+
     meta = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
     shapes = {k.removeprefix("model."): v for k, v in meta.items() if k.startswith("model.")}
     names = set(shapes)
