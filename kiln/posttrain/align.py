@@ -9,18 +9,19 @@ command through kiln.loading) and `report/` (a PNG of the logged curves).
 from __future__ import annotations
 
 import random
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kiln import config as cfgio
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import remove_dir
-from kiln.io import atomic_write, sha256_file
+from kiln.io import atomic_write, sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, load_model
 from kiln.posttrain.chat_data import split_file
 from kiln.posttrain.dpo import DPOConfig, TokenPair
@@ -113,8 +114,21 @@ class RLRunConfig:
 # ---- the run folder ---------------------------------------------------------------------------
 
 
+MARKER = "posttrain_run.json"  # written first into every run folder these commands own
+
+
 def prepare_run_dir(run_dir: Path, cfg: Any, resume: bool, force: bool) -> None:
-    """Refuse to train over an earlier run unless resuming (or --force: start over)."""
+    """Refuse to train over an earlier run unless resuming (or --force: start over).
+
+    Only a folder these commands made (it holds MARKER) is ever written into or replaced: a
+    user's other folder (an SFT run, a config directory) is refused even under --force.
+    """
+    owned = (run_dir / MARKER).is_file()
+    if run_dir.exists() and any(run_dir.iterdir()) and not owned:
+        raise KilnError(
+            f"{run_dir}: exists and is not a run folder of kiln dpo/reward/rl (no {MARKER}); "
+            "choose another run_dir"
+        )
     has_run = latest_checkpoint(run_dir / "checkpoints") is not None
     if has_run and not resume and not force:
         raise KilnError(
@@ -123,6 +137,7 @@ def prepare_run_dir(run_dir: Path, cfg: Any, resume: bool, force: bool) -> None:
     if has_run and force and not resume:
         remove_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / MARKER, {"format": "kiln.posttrain_run", "version": 1})
     with atomic_write(run_dir / "config.toml") as handle:
         handle.write(cfgio.to_toml(cfgio.to_dict(cfg)))
 
@@ -137,7 +152,8 @@ def load_policy(section: PolicySection, run_dir: Path) -> tuple[LoadedModel, dic
     if loaded.tokenizer is None or loaded.tokenizer_path is None:
         raise KilnError(f"{section.base}: no tokenizer found (post-training renders chats)")
     require_chat_template(loaded.tokenizer, section.base)
-    shutil.copyfile(loaded.tokenizer_path, run_dir / "tokenizer.json")
+    with atomic_write(run_dir / "tokenizer.json", "wb", encoding=None) as handle:
+        handle.write(loaded.tokenizer_path.read_bytes())
     config: dict[str, Any] = {}
     try:
         base_config = read_state(find_checkpoint(section.base)).get("config", {})
@@ -273,6 +289,9 @@ def run_from_config(
     loaded, base_state = load_policy(cfg.policy, run_dir)
     tok = loaded.tokenizer
     policy = loaded.model.train().requires_grad_(True)
+    for module in policy.modules():  # no dropout: the old, reference and new log-probs must agree
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     settings = getattr(cfg, kind)
     bar = progress_bar(settings.steps, 0, f"kiln {kind}", progress)
     show = bar_callback(bar, SHOWN[kind])

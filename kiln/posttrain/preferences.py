@@ -47,13 +47,21 @@ class SamplingConfig:
         require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A sampled reply's text, and whether the model ended it (False: cut at the length cap)."""
+
+    text: str
+    finished: bool = True
+
+
 def sample_replies(
     model: Transformer,
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     cfg: SamplingConfig,
     seed: int,
-) -> list[str]:
+) -> list[Reply]:
     """`cfg.samples` replies to a conversation's prompt, each up to the end token.
 
     None fit when the prompt fills the model's context: the list is empty.
@@ -68,15 +76,21 @@ def sample_replies(
         temperature=cfg.temperature, top_k=cfg.top_k, seed=seed, stop_tokens=template.stop_ids,
     )  # fmt: skip
     # A reply ends at the first control token (an end-of-text mid-reply, say): its text is what
-    # the renderer can encode again, so every pair tokenizes under the refusing policy.
+    # the renderer can encode again, so every pair tokenizes under the refusing policy. A reply
+    # that reached the length cap without ending is marked unfinished.
     special = set(tokenizer.special_tokens.values())
-    cut = [next((i for i, t in enumerate(r) if t in special), len(r)) for r in replies]
-    return [tokenizer.decode(r[:n]) for r, n in zip(replies, cut, strict=True)]
+    out = []
+    for r in replies:
+        cut = next((i for i, t in enumerate(r) if t in special), len(r))
+        finished = cut < len(r) or len(r) < min(cfg.max_new_tokens, room)
+        out.append(Reply(tokenizer.decode(r[:cut]), finished))
+    return out
 
 
-def make_pair(record: Mapping[str, Any], replies: Sequence[str]) -> dict[str, Any] | None:
+def make_pair(record: Mapping[str, Any], replies: Sequence[Reply | str]) -> dict[str, Any] | None:
     """The pair of a record's replies (best passing vs worst failing), or None if there is none."""
-    scored = [(score(record, r), check(record, r), r) for r in replies]
+    replies = [r if isinstance(r, Reply) else Reply(r) for r in replies]
+    scored = [(score(record, r.text), check(record, r.text), r) for r in replies]
     passing = [s for s in scored if s[1]]
     failing = [s for s in scored if not s[1]]
     if not passing or not failing:
@@ -85,7 +99,9 @@ def make_pair(record: Mapping[str, Any], replies: Sequence[str]) -> dict[str, An
     rejected = min(failing, key=lambda s: s[0])
     return {
         "id": record.get("id"), "task": record.get("task"), "params": record.get("params"),
-        "messages": list(record["messages"][:-1]), "chosen": chosen[2], "rejected": rejected[2],
+        "messages": list(record["messages"][:-1]), "chosen": chosen[2].text,
+        "rejected": rejected[2].text, "chosen_finished": chosen[2].finished,
+        "rejected_finished": rejected[2].finished,
         "chosen_score": chosen[0], "rejected_score": rejected[0],
         "scores": [s[0] for s in scored],
     }  # fmt: skip
@@ -96,7 +112,7 @@ def build_pairs(
     tokenizer: Tokenizer,
     records: Iterable[Mapping[str, Any]],
     cfg: SamplingConfig,
-) -> Iterator[tuple[Mapping[str, Any], list[str], dict[str, Any] | None]]:
+) -> Iterator[tuple[Mapping[str, Any], list[Reply], dict[str, Any] | None]]:
     """For each record (a prompt + reference reply): its replies and its pair (or None)."""
     model.eval()
     for n, record in enumerate(records):
@@ -135,16 +151,18 @@ def tokenize_pair(pair: Mapping[str, Any], tokenizer: Tokenizer, where: str) -> 
     """A pair as token ids: the rendered prompt and each reply with its end token.
 
     Replies go through the same renderer as SFT data (the refusing special-token policy
-    included), so a reply is trained exactly as `kiln sft` would train it.
+    included), so a reply is trained exactly as `kiln sft` would train it; a reply marked
+    unfinished (cut at the length cap) gets no end token, so it never teaches stopping there.
     """
     prompt = render(pair["messages"], tokenizer, add_generation_prompt=True, where=where).ids
 
-    def reply(text: str) -> list[int]:
-        full = render([*pair["messages"], {"role": "assistant", "content": text}], tokenizer,
-                      where=where).ids  # fmt: skip
-        return full[len(prompt) :]  # the reply's text and its end token
+    def reply(side: str) -> list[int]:
+        message = {"role": "assistant", "content": pair[side]}
+        full = render([*pair["messages"], message], tokenizer, where=where).ids
+        ids = full[len(prompt) :]  # the reply's text and its end token...
+        return ids if pair.get(f"{side}_finished", True) else ids[:-1]  # ...if the model ended it
 
-    return TokenPair(prompt, reply(pair["chosen"]), reply(pair["rejected"]))
+    return TokenPair(prompt, reply("chosen"), reply("rejected"))
 
 
 MANIFEST = "manifest.json"

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.config import ConfigError
 from kiln.errors import KilnError
+from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
 from kiln.posttrain.logprobs import token_entropy, token_logprobs
-from kiln.serve.engine import Engine, EngineConfig
+from kiln.serve.engine import Engine, EngineConfig, check_servable
 from kiln.serve.sampling import SamplingParams
 
 # (prompt index, response ids) -> scalar reward; the task checks and reward models both fit it.
@@ -90,7 +92,12 @@ def sample_responses(
     responses are a pure function of (weights, prompts, seed): the engine's batch-invariant
     tiles are not needed and are off (they cost several times the decode time).
     """
-    blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
+    try:
+        check_servable(policy.cfg)
+    except ConfigError:  # MLA or sinks: the paged cache cannot hold them; the fixed batch can
+        return _generated_responses(policy, prompts, max_new_tokens, temperature, seed, eot_id)
+    bs = EngineConfig.block_size
+    blocks = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     engine = Engine(policy, None, EngineConfig(
         num_blocks=blocks + len(prompts), max_num_seqs=len(prompts), prefix_caching=False,
         batch_invariant=False,
@@ -106,6 +113,21 @@ def sample_responses(
         ended = done.finish_reason == "stop" and eot_id is not None
         out.append([*done.token_ids, eot_id] if ended else list(done.token_ids))
     return out
+
+
+def _generated_responses(
+    policy: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eot_id: int | None,
+) -> list[list[int]]:
+    """The same responses' contract on kiln.model.generate's fixed batch (one seed for all)."""
+    stops = [] if eot_id is None else [eot_id]
+    new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
+                   stop_tokens=stops)  # fmt: skip
+    return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
 
 
 @torch.no_grad()

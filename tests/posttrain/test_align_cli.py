@@ -100,3 +100,18 @@ def test_preferences_command_writes_pairs_and_a_manifest(
 def test_a_config_error_names_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run("dpo", "--set", f"run_dir={tmp_path}", "--set", "data.pairs=x") == 2
     assert "policy.base: set the model to start from" in capsys.readouterr().err
+
+
+def test_a_folder_these_commands_did_not_make_is_never_written_into(
+    tmp_path: Path, chat_run: Path, pairs_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.toml").write_text("my own config\n")
+    args = ["dpo", "configs/dpo.toml", "--set", f"policy.base={chat_run}",
+            "--set", f"data.pairs={pairs_file}", "--set", "dpo.steps=1", "--force"]  # fmt: skip
+    assert run(*args, "--set", f"run_dir={mine}") == 2
+    assert "is not a run folder of kiln dpo/reward/rl" in capsys.readouterr().err
+    assert (mine / "config.toml").read_text() == "my own config\n"
+    assert run(*args, "--set", f"run_dir={chat_run}") == 2  # not even the base run, with --force
+    assert (chat_run / "checkpoints").is_dir()

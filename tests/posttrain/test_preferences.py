@@ -89,3 +89,13 @@ def test_sampling_is_seeded_and_recorded(chat_tok: Tokenizer) -> None:
     assert all(len(replies) == 3 for _, replies, _ in first)
     with pytest.raises(KilnError, match="samples must be >= 2"):
         SamplingConfig(samples=1)
+
+
+def test_a_reply_cut_at_the_length_cap_gets_no_end_token(chat_tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Write about a dog."}]
+    pair = {"messages": messages, "chosen": "A dog ran.", "rejected": "A dog",
+            "chosen_finished": True, "rejected_finished": False}  # fmt: skip
+    tp = tokenize_pair(pair, chat_tok, "pair 1")
+    end = chat_tok.special_tokens["<|end|>"]
+    assert tp.chosen[-1] == end and end not in tp.rejected
+    assert tp.rejected == chat_tok.encode("A dog")
