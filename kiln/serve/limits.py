@@ -33,7 +33,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tokens", "max_n", "max_prompts", "max_concurrent"):
             _at_least(name, getattr(self, name), 1)
-        _at_least("max_waiting", self.max_waiting, 0)
+        _at_least("max_waiting", self.max_waiting, 1)
         if self.max_prompt_tokens is not None:
             _at_least("max_prompt_tokens", self.max_prompt_tokens, 1)
 

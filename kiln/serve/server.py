@@ -195,9 +195,12 @@ def make_server(app: FastAPI, host: str, port: int, grace_s: float, log_level: s
     def on_stop() -> None:
         if not service.state.draining:
             service.state.draining = True
-            timer = threading.Timer(grace_s, service.cancel_all)
-            timer.daemon = True
-            timer.start()
+            try:  # the signal arrives on the event loop's thread: cancel there, after the grace
+                asyncio.get_running_loop().call_later(grace_s, service.cancel_all)
+            except RuntimeError:  # no loop running here: a timer thread will do
+                timer = threading.Timer(grace_s, service.cancel_all)
+                timer.daemon = True
+                timer.start()
 
     return _GracefulServer(config, on_stop).server
 
