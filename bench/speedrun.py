@@ -222,8 +222,12 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what this invocation is, for the log")
     parser.add_argument("--cache", default=str(DEFAULT_CACHE))
     parser.add_argument("--log", default=str(DEFAULT_LOG))
+    parser.add_argument("--table", action="store_true", help="print the log as markdown")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.table:
+        log_table(Path(args.log))
+        return
     if args.child:
         print("RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
         return
@@ -312,6 +316,25 @@ def report(lines: list[dict[str, Any]]) -> None:
             f"{e['holdout_bpb']:.4f} | {e.get('valid_bpb', '-')} | {ratio} |"
         )
     print(f"load average {lines[0]['loadavg_start']} -> {lines[0]['loadavg_end']}")
+
+
+def log_table(log: Path) -> None:
+    """Every entry of the log as one markdown table, oldest first."""
+    entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    print("| date | label | recipe | budget (clock) | side by side | steps | tokens | tok/s "
+          "| holdout bpb | valid bpb | × baseline |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for e in entries:
+        if "error" in e:
+            continue
+        ratio = e.get("valid_ratio", e.get("holdout_ratio", "-"))
+        change = e["name"] + (f" (`{'; '.join(e['overrides'])}`)" if e["overrides"] else "")
+        print(
+            f"| {e['date']} | {e['label']} | {change} | {e['budget']} ({e['clock']}, "
+            f"{e['threads']} thr) | {e['side_by_side']} | {e['steps']} | {e['tokens']:,} | "
+            f"{e['tokens_per_s']:,} | {e['holdout_bpb']:.4f} | {e.get('valid_bpb', '-')} | "
+            f"{ratio} |"
+        )
 
 
 if __name__ == "__main__":
