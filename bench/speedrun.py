@@ -193,7 +193,9 @@ def plan_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs += [parse_variant(v, args.set) for v in args.variant]
     specs = []
     for name, overrides in runs:
-        extra = {k: v for k, _, v in (o.partition("=") for o in overrides) if k in ("vocab", "threads")}
+        extra = {
+            k: v for k, _, v in (o.partition("=") for o in overrides) if k in ("vocab", "threads")
+        }
         sets = [o for o in overrides if o.partition("=")[0] not in ("vocab", "threads")]
         specs.append({"name": name, "baseline": False, "set": sets, "config": args.config,
                       "tokenizer": extra.get("vocab", str(args.vocab)),
