@@ -323,16 +323,16 @@ def report(lines: list[dict[str, Any]]) -> None:
 def log_table(log: Path) -> None:
     """Every entry of the log as one markdown table, oldest first."""
     entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    print("| date | label | recipe | budget (clock) | side by side | steps | tokens | tok/s "
+    print("| date | label | recipe | vocab | budget (clock) | side by side | steps | tokens | tok/s "
           "| holdout bpb | valid bpb | × baseline |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in entries:
         if "error" in e:
             continue
         ratio = e.get("valid_ratio", e.get("holdout_ratio", "-"))
         change = e["name"] + (f" (`{'; '.join(e['overrides'])}`)" if e["overrides"] else "")
         print(
-            f"| {e['date']} | {e['label']} | {change} | {e['budget']} ({e['clock']}, "
+            f"| {e['date']} | {e['label']} | {change} | {e['tokenizer']} | {e['budget']} ({e['clock']}, "
             f"{e['threads']} thr) | {e['side_by_side']} | {e['steps']} | {e['tokens']:,} | "
             f"{e['tokens_per_s']:,} | {e['holdout_bpb']:.4f} | {e.get('valid_bpb', '-')} | "
             f"{ratio} |"
