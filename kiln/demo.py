@@ -7,9 +7,9 @@ Training is sized by time, not steps: the demo config's `train.time_budget` (10 
 `--minutes N`) so the demo ends on time on a slow CPU and trains longer on a fast one. The other
 stages cost little beside it (measured on a 2-core machine shared with other jobs: tokenizer and
 shards under a second each, model set-up under a second, a checkpoint under 0.2 s, the three
-stories 6-15 s, the report ~1 s; a validation pass with its samples cost 1-10 training steps in
-noisy measurements and comes every 50 steps, so 2-20% of the budget, plus one at the end; the
-budget itself may run over by one step). That puts the whole demo at 11-13 minutes, under 15 on
+stories 6-15 s, the report ~1 s; a validation pass with its samples cost 1-10 steps of 16k
+tokens in noisy measurements and comes every 400 steps of 2k tokens (as often), so 2-20% of the
+budget, plus one at the end; the budget itself may run over by one step). That puts the whole demo at 11-13 minutes, under 15 on
 any 2-core x86-64 machine. `--steps N` trains exactly N steps instead.
 """
 

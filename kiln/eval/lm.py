@@ -6,6 +6,10 @@ predicted exactly once, with as much left context as the block size and stride a
 Bits-per-byte does not depend on the tokenizer: total nats / (ln 2 · UTF-8 bytes of the text).
 Each document is preceded by the end-of-text token, so its first token is scored too; a
 tokenizer without one leaves each document's first token (and its bytes) unscored.
+
+`stream_bits_per_byte` is the speedrun's metric (docs/speedrun.md): a text file of documents
+separated by end-of-text lines, read as training reads it (one stream, each document followed by
+the end-of-text token), every byte of the file counted.
 """
 
 from __future__ import annotations
@@ -123,4 +127,41 @@ def bits_per_byte(
         source=os.fspath(path), nats=-sum(s.logprob for s in scored),
         n_tokens=sum(s.n_tokens for s in scored), n_bytes=n_bytes, n_documents=len(texts),
         stride=stride, seconds=time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def stream_bits_per_byte(
+    scorer: Scorer,
+    tok: TextEncoder,
+    path: str | os.PathLike[str],
+    eot_id: int,
+    stride: int | None = None,
+) -> LossResult:
+    """Bits-per-byte of a file of end-of-text-separated documents, scored as one token stream.
+
+    The stream is [eot] + (doc_1 + [eot]) + (doc_2 + [eot]) + ..., each document as training's
+    shards hold it (kiln.data.documents: split on separator lines, stripped). Every token after
+    the leading end-of-text is scored once, in windows of at most the block size (disjoint with
+    the default stride). The bytes are every byte of the (decompressed) file: those of the
+    separator lines and the whitespace around them count toward the end-of-text token that
+    stands for them.
+    """
+    from kiln.data.documents import iter_documents
+    from kiln.tokenizer.special import EOT
+
+    started = time.perf_counter()
+    with open_binary(path) as handle:
+        n_bytes = len(handle.read())
+    stream, n_docs = [eot_id], 0
+    for doc in iter_documents(os.fspath(path), EOT):
+        stream += tok.encode_ordinary(doc)
+        stream.append(eot_id)
+        n_docs += 1
+    if n_docs == 0:
+        raise KilnError(f"{path}: no text to score")
+    stride = stride or scorer.block_size
+    (scored,) = scorer.score_documents([stream], stride, desc=f"bpb {Path(path).name}")
+    return LossResult(
+        source=os.fspath(path), nats=-scored.logprob, n_tokens=scored.n_tokens, n_bytes=n_bytes,
+        n_documents=n_docs, stride=stride, seconds=time.perf_counter() - started,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 from kiln.data.shard_reader import Dataset
 from kiln.errors import KilnError
-from kiln.eval.lm import bits_per_byte, val_loss
+from kiln.eval.lm import bits_per_byte, stream_bits_per_byte, val_loss
 from kiln.eval.scoring import Scorer
 from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
@@ -97,6 +97,49 @@ def test_bits_per_byte_errors(tmp_path: Path, tiny: Transformer, tok: Tokenizer)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(KilnError, match=r"empty\.txt: no text to score"):
         bits_per_byte(scorer, tok, tmp_path / "empty.txt", 399)
+
+
+STORIES = ["Tom had a red ball.", "Lily saw a big dog. 🐶 It ran!", "The sun was warm."]
+SEPARATED = "".join(f"{story}\n{EOT}\n" for story in STORIES)  # TinyStories' layout
+
+
+def test_stream_bpb_of_a_uniform_model_is_log2_vocab_per_token(
+    tmp_path: Path, tok: Tokenizer
+) -> None:
+    model = random_tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # all logits 0: every token costs ln V
+    path = tmp_path / "valid.txt.gz"
+    path.write_bytes(gzip.compress(SEPARATED.encode("utf-8")))
+    result = stream_bits_per_byte(Scorer(model, progress=False), tok, path, 399)
+    n_tokens = sum(len(tok.encode_ordinary(s)) + 1 for s in STORIES)  # each story + its EOT
+    assert result.n_tokens == n_tokens
+    assert result.n_bytes == len(SEPARATED.encode("utf-8"))  # separators and newlines too
+    assert result.n_documents == 3
+    expected = math.log2(model.cfg.vocab_size) * n_tokens / result.n_bytes
+    assert result.bits_per_byte == pytest.approx(expected, rel=1e-6)
+
+
+def test_stream_bpb_scores_the_documents_as_one_stream_in_windows(
+    tmp_path: Path, tok: Tokenizer
+) -> None:
+    model = random_tiny(block_size=8)
+    path = tmp_path / "stories.txt"
+    path.write_text(SEPARATED * 3, encoding="utf-8")
+    stream = [399]
+    for story in STORIES * 3:
+        stream += [*tok.encode_ordinary(story), 399]
+    result = stream_bits_per_byte(Scorer(model, 4, progress=False), tok, path, 399)
+    nats = 0.0  # disjoint chunks of 8 targets, the last window reaching back a full block
+    for start in range(1, len(stream), 8):
+        end = min(start + 8, len(stream))
+        window = stream[max(0, end - 9) : end]
+        nats -= float(direct_logprobs(model, window)[-(end - start) :].sum())
+    assert result.n_tokens == len(stream) - 1
+    assert result.nats == pytest.approx(nats, rel=1e-5)
+    n_bytes = 3 * len(SEPARATED.encode("utf-8"))
+    assert result.bits_per_byte == pytest.approx(nats / (math.log(2) * n_bytes), rel=1e-5)
 
 
 def test_val_loss_is_the_mean_over_the_split_stream(dataset: Path) -> None:
