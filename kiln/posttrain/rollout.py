@@ -95,7 +95,9 @@ def sample_responses(
     try:
         check_servable(policy.cfg)
     except ConfigError:  # MLA or sinks: the paged cache cannot hold them; the fixed batch can
-        return _generated_responses(policy, prompts, max_new_tokens, temperature, seed, eot_id)
+        new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
+                       stop_tokens=[] if eot_id is None else [eot_id])  # fmt: skip
+        return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
     bs = EngineConfig.block_size
     blocks = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     engine = Engine(policy, None, EngineConfig(
@@ -113,21 +115,6 @@ def sample_responses(
         ended = done.finish_reason == "stop" and eot_id is not None
         out.append([*done.token_ids, eot_id] if ended else list(done.token_ids))
     return out
-
-
-def _generated_responses(
-    policy: Transformer,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    eot_id: int | None,
-) -> list[list[int]]:
-    """The same responses' contract on kiln.model.generate's fixed batch (one seed for all)."""
-    stops = [] if eot_id is None else [eot_id]
-    new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
-                   stop_tokens=stops)  # fmt: skip
-    return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
 
 
 @torch.no_grad()

@@ -94,3 +94,13 @@ def test_kl_to_the_reference_is_zero_before_the_first_update(tmp_path: Path) -> 
 def test_bad_settings_are_named(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RLConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_policy_the_engine_cannot_page_rolls_out_on_the_fixed_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", vocab_size=V, vocab_multiple=1, block_size=32,
+                             mla={"kv_rank": 16, "rope_dim": 8})  # fmt: skip
+    t = RLTrainer(Transformer(cfg), prompts(), reward, RLConfig(steps=1, max_new_tokens=4),
+                  tmp_path, eot_id=EOT)  # fmt: skip
+    record = t.train_step()
+    assert record["response_length"] > 0 and record["kl"] == pytest.approx(0.0, abs=1e-6)
