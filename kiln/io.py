@@ -145,6 +145,23 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
+def iter_json_lines(path: str | os.PathLike[str]) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of a JSON-lines file, parsed, with its "file:line" for errors.
+
+    A line that is not JSON is one KilnError naming the file and the line.
+    """
+    name = os.fspath(path)
+    with open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{name}:{number}"
+            try:
+                yield where, json.loads(raw)
+            except ValueError as exc:
+                raise KilnError(f"{where}: not a JSON object ({exc})") from None
+
+
 def iter_jsonl_texts(
     path: str | os.PathLike[str],
     field: str = "text",

@@ -6,13 +6,12 @@ doc for the layout and the loss mask); this module re-exports it and reads conve
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.io import open_binary
+from kiln.io import iter_json_lines
 from kiln.tokenizer.chat import (
     JINJA_TEMPLATE,
     ROLES,
@@ -46,17 +45,8 @@ def iter_conversations(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]
 
     A bad line is one KilnError naming the file, the line number and the message at fault.
     """
-    name = os.fspath(path)
-    with open_binary(path) as handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{name}:{number}"
-            try:
-                record = json.loads(raw)
-            except ValueError as exc:
-                raise KilnError(f"{where}: not a JSON object ({exc})") from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise KilnError(f"{where}: expected an object with a 'messages' list")
-            check_conversation(record["messages"], where)
-            yield record
+    for where, record in iter_json_lines(path):
+        if not isinstance(record, dict) or "messages" not in record:
+            raise KilnError(f"{where}: expected an object with a 'messages' list")
+        check_conversation(record["messages"], where)
+        yield record

@@ -134,7 +134,8 @@ class DPOTrainer(PosttrainLoop):
         """Loss, reward margin and preference accuracy over pairs (batches of pairs_per_step)."""
         was_training = self.policy.training
         self.policy.eval()
-        chunks = [pairs[i : i + 8] for i in range(0, len(pairs), 8)]
+        k = self.cfg.pairs_per_step
+        chunks = [pairs[i : i + k] for i in range(0, len(pairs), k)]
         outs = [preference_loss(self.policy, self.reference, chunk, self.cfg) for chunk in chunks]
         self.policy.train(was_training)
         margins = torch.cat([o.margins for o in outs])

@@ -20,7 +20,7 @@ from typing import Any
 
 from kiln.config import require
 from kiln.errors import KilnError
-from kiln.io import open_binary, sha256_file, write_json_atomic
+from kiln.io import iter_json_lines, sha256_file, write_json_atomic
 from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
 from kiln.posttrain.dpo import TokenPair
@@ -126,22 +126,14 @@ def build_pairs(
 def read_pairs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The pairs of a JSON-lines preference file; a bad line is one error naming it."""
     out = []
-    with open_binary(path) as handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{os.fspath(path)}:{number}"
-            try:
-                pair = json.loads(raw)
-            except ValueError as exc:
-                raise KilnError(f"{where}: not a JSON object ({exc})") from None
-            for key in ("messages", "chosen", "rejected"):
-                if not isinstance(pair, dict) or key not in pair:
-                    raise KilnError(f"{where}: expected a pair with '{key}'")
-            for key in ("chosen", "rejected"):
-                if not isinstance(pair[key], str):
-                    raise KilnError(f"{where}: '{key}' must be a string")
-            out.append(pair)
+    for where, pair in iter_json_lines(path):
+        for key in ("messages", "chosen", "rejected"):
+            if not isinstance(pair, dict) or key not in pair:
+                raise KilnError(f"{where}: expected a pair with '{key}'")
+        for key in ("chosen", "rejected"):
+            if not isinstance(pair[key], str):
+                raise KilnError(f"{where}: '{key}' must be a string")
+        out.append(pair)
     if not out:
         raise KilnError(f"{os.fspath(path)}: no preference pairs")
     return out

@@ -137,10 +137,14 @@ class RewardTrainer(PosttrainLoop):
         """Pairwise accuracy and mean Bradley–Terry loss over pairs."""
         was_training = self.reward_model.training
         self.reward_model.eval()
-        chosen = torch.cat([score_sequences(self.reward_model, [c for c, _ in pairs[i : i + 16]])
-                            for i in range(0, len(pairs), 16)])  # fmt: skip
-        rejected = torch.cat([score_sequences(self.reward_model, [r for _, r in pairs[i : i + 16]])
-                              for i in range(0, len(pairs), 16)])  # fmt: skip
+        k = self.cfg.pairs_per_step
+        chunks = [pairs[i : i + k] for i in range(0, len(pairs), k)]
+        chosen = torch.cat(
+            [score_sequences(self.reward_model, [c for c, _ in ch]) for ch in chunks]
+        )
+        rejected = torch.cat(
+            [score_sequences(self.reward_model, [r for _, r in ch]) for ch in chunks]
+        )
         self.reward_model.train(was_training)
         return {
             "accuracy": pairwise_accuracy(chosen, rejected),
