@@ -106,8 +106,11 @@ def main() -> int:
                                platform.machine(), "seeds": {}}  # fmt: skip
     for seed in args.seeds:
         runs = run_seed(args, seed, out)
+        # The SFT model is the same for every seed and its evaluation greedy: scored once.
         evals = {name: evaluate(path, Path(args.chat), out / f"eval-{name}-s{seed}.json",
-                                args.limit) for name, path in runs.items()}  # fmt: skip
+                                args.limit) for name, path in runs.items()
+                 if name != "sft" or seed == args.seeds[0]}  # fmt: skip
+        evals.setdefault("sft", json.loads((out / f"eval-sft-s{args.seeds[0]}.json").read_text()))
         results["seeds"][seed] = {
             name: {"success": success(doc)[0], "tasks": success(doc)[1],
                    "bpb": doc["bpb"]["bits_per_byte"]}

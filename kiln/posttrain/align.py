@@ -8,6 +8,7 @@ command through kiln.loading) and `report/` (a PNG of the logged curves).
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from kiln.posttrain.reward_model import RewardConfig, load_reward_model, score_s
 from kiln.posttrain.rl import RLConfig
 from kiln.posttrain.tasks import score
 from kiln.tokenizer.chat import render, require_chat_template
-from kiln.train.checkpoint import latest_checkpoint, read_state
+from kiln.train.checkpoint import config_differences, latest_checkpoint, read_state
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,53 @@ def prepare_run_dir(run_dir: Path, cfg: Any, resume: bool, force: bool) -> None:
         )
     if has_run and force and not resume:
         remove_dir(run_dir)
+    data = data_fingerprint(cfg)
+    if has_run and resume:
+        check_resumable(run_dir, cfg, data)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / MARKER, {"format": "kiln.posttrain_run", "version": 1})
+    write_json_atomic(
+        run_dir / MARKER, {"format": "kiln.posttrain_run", "version": 1, "data": data}
+    )
     with atomic_write(run_dir / "config.toml") as handle:
         handle.write(cfgio.to_toml(cfgio.to_dict(cfg)))
+
+
+# What a resumed run may change: how long it trains and how often it saves, evaluates, keeps.
+RESUMABLE = frozenset({"steps", "save_every", "eval_every", "keep_last"})
+
+
+def data_fingerprint(cfg: Any) -> dict[str, str]:
+    """sha256 of the data file a run trains on (its pairs, or its chat folder's train prompts)."""
+    data = cfg.data
+    path = Path(data.pairs) if isinstance(data, PairsSection) else split_file(data.chat, "train")
+    if not path.is_file():
+        raise KilnError(f"{path}: no such file (data.pairs: the preference pairs, JSON lines)")
+    return {"file": str(path), "sha256": sha256_file(path)}
+
+
+def check_resumable(run_dir: Path, cfg: Any, data: dict[str, str]) -> None:
+    """Refuse to resume a run whose settings or data changed, beyond its length and cadence."""
+    import tomllib
+
+    saved_path = run_dir / "config.toml"
+    try:
+        saved = tomllib.loads(saved_path.read_text())
+        marker = json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        raise KilnError(f"{run_dir}: cannot read its config.toml or {MARKER}: {exc}") from None
+    # The data is identified by its contents (below), so data that moved may still resume.
+    changed = [
+        d for d in config_differences(saved, cfgio.to_dict(cfg))
+        if d.split(":", 1)[0] not in ("data.pairs", "data.chat")
+        and d.split(":", 1)[0].rsplit(".", 1)[-1] not in RESUMABLE
+    ]  # fmt: skip
+    if marker.get("data", {}).get("sha256") not in (None, data["sha256"]):
+        changed.append(f"data: {data['file']} differs from the file the run trained on (sha256)")
+    if changed:
+        raise KilnError(
+            f"cannot resume {run_dir}: its settings or data changed ({'; '.join(changed)}); "
+            "restore them, or start a new run (another run_dir, or --force to start over)"
+        )
 
 
 def load_policy(section: PolicySection, run_dir: Path) -> tuple[LoadedModel, dict[str, Any]]:

@@ -107,20 +107,76 @@ def make_pair(record: Mapping[str, Any], replies: Sequence[Reply | str]) -> dict
     }  # fmt: skip
 
 
+ENGINE_PROMPTS = 16  # prompts sampled together on the engine, `samples` replies each
+
+
 def build_pairs(
     model: Transformer,
     tokenizer: Tokenizer,
     records: Iterable[Mapping[str, Any]],
     cfg: SamplingConfig,
 ) -> Iterator[tuple[Mapping[str, Any], list[Reply], dict[str, Any] | None]]:
-    """For each record (a prompt + reference reply): its replies and its pair (or None)."""
+    """For each record (a prompt + reference reply): its replies and its pair (or None).
+
+    Prompts are sampled ENGINE_PROMPTS at a time on the inference engine, record n's replies
+    from seed cfg.seed + n (one stream per reply), so a run with the same settings repeats.
+    """
     model.eval()
-    for n, record in enumerate(records):
-        replies = sample_replies(model, tokenizer, record["messages"][:-1], cfg, cfg.seed + n)
-        pair = make_pair(record, replies)
-        if pair is not None:
-            pair["sampling"] = asdict(cfg)
-        yield record, replies, pair
+    chunk: list[Mapping[str, Any]] = []
+    start = 0
+    for record in [*records, None]:
+        if record is not None:
+            chunk.append(record)
+        if chunk and (record is None or len(chunk) == ENGINE_PROMPTS):
+            sampled = _sample_chunk(model, tokenizer, chunk, cfg, start)
+            for record_k, replies in zip(chunk, sampled, strict=True):
+                pair = make_pair(record_k, replies)
+                if pair is not None:
+                    pair["sampling"] = asdict(cfg)
+                yield record_k, replies, pair
+            start, chunk = start + len(chunk), []
+
+
+def _sample_chunk(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    records: Sequence[Mapping[str, Any]],
+    cfg: SamplingConfig,
+    start: int,
+) -> list[list[Reply]]:
+    """The replies to each of some records (record k of the chunk is record start + k)."""
+    from kiln.posttrain.rollout import engine_sample
+    from kiln.serve.sampling import SamplingParams
+
+    template = require_chat_template(tokenizer, "sampling")
+    prompts = [
+        render(r["messages"][:-1], tokenizer, add_generation_prompt=True).ids for r in records
+    ]
+    fits = [k for k, p in enumerate(prompts) if len(p) < model.cfg.block_size]
+    params = [
+        SamplingParams(
+            max_tokens=min(cfg.max_new_tokens, model.cfg.block_size - len(prompts[k])),
+            temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed + start + k,
+            n=cfg.samples, stop_token_ids=template.stop_ids, ignore_eos=True,
+        )
+        for k in fits
+    ]  # fmt: skip
+    sampled = engine_sample(model, [prompts[k] for k in fits], params, None) if fits else []
+    if sampled is None:  # MLA or sinks: kiln.model.generate, one prompt at a time
+        return [
+            sample_replies(model, tokenizer, r["messages"][:-1], cfg, cfg.seed + start + k)
+            for k, r in enumerate(records)
+        ]
+    # A reply ends at the first control token (an end-of-text mid-reply, say): its text is what
+    # the renderer can encode again, so every pair tokenizes under the refusing policy. A reply
+    # that reached the length cap without ending is marked unfinished.
+    special = set(tokenizer.special_tokens.values())
+    out: list[list[Reply]] = [[] for _ in records]
+    for k, samples in zip(fits, sampled, strict=True):
+        for ids, why in samples:
+            cut = next((i for i, t in enumerate(ids) if t in special), len(ids))
+            out[k].append(Reply(tokenizer.decode(ids[:cut]), why == "stop" or cut < len(ids)))
+    return out
 
 
 def read_pairs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

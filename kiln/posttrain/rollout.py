@@ -77,6 +77,39 @@ def policy_logprobs(
     return logp, token_entropy(logits) * mask
 
 
+def engine_sample(
+    policy: Transformer,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    eot_id: int | None,
+) -> list[list[tuple[list[int], str]]] | None:
+    """Each prompt's `n` samples (ids, finish reason), all batched on the inference engine.
+
+    None when the engine's paged cache cannot hold the model (MLA, attention sinks): the caller
+    falls back to kiln.model.generate's fixed batch. Each sample draws from its own seeded
+    generator, so the batch-invariant tiles are not needed and are off (they cost several times
+    the decode time).
+    """
+    try:
+        check_servable(policy.cfg)
+    except ConfigError:
+        return None
+    bs = EngineConfig.block_size
+    rows = [(len(p), sp) for p, sp in zip(prompts, params, strict=True)]
+    blocks = sum(sp.n * -(-(n + sp.max_tokens) // bs) + 1 for n, sp in rows)
+    engine = Engine(policy, None, EngineConfig(
+        num_blocks=blocks, max_num_seqs=sum(sp.n for sp in params), prefix_caching=False,
+        batch_invariant=False,
+    ), eot_id=eot_id)  # fmt: skip
+    out = []
+    for samples in engine.generate(list(prompts), list(params)):
+        for done in samples:
+            if done.finish_reason == "error":
+                raise KilnError(f"sampling failed: {done.error}")
+        out.append([(list(done.token_ids), done.finish_reason) for done in samples])
+    return out
+
+
 def sample_responses(
     policy: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -89,32 +122,19 @@ def sample_responses(
 
     A response that ended on the stop token keeps it, so the policy is credited for where it
     stopped. Each row has its own generator and the batch is the same on a resumed run, so the
-    responses are a pure function of (weights, prompts, seed): the engine's batch-invariant
-    tiles are not needed and are off (they cost several times the decode time).
+    responses are a pure function of (weights, prompts, seed).
     """
-    try:
-        check_servable(policy.cfg)
-    except ConfigError:  # MLA or sinks: the paged cache cannot hold them; the fixed batch can
-        new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
-                       stop_tokens=[] if eot_id is None else [eot_id])  # fmt: skip
-        return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
-    bs = EngineConfig.block_size
-    blocks = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
-    engine = Engine(policy, None, EngineConfig(
-        num_blocks=blocks + len(prompts), max_num_seqs=len(prompts), prefix_caching=False,
-        batch_invariant=False,
-    ), eot_id=eot_id)  # fmt: skip
     stops = () if eot_id is None else (eot_id,)
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
                              stop_token_ids=stops, ignore_eos=True)
               for i in range(len(prompts))]  # fmt: skip
-    out = []
-    for (done,) in engine.generate(prompts, params):
-        if done.finish_reason == "error":
-            raise KilnError(f"rollout sampling failed: {done.error}")
-        ended = done.finish_reason == "stop" and eot_id is not None
-        out.append([*done.token_ids, eot_id] if ended else list(done.token_ids))
-    return out
+    sampled = engine_sample(policy, prompts, params, eot_id)
+    if sampled is None:  # MLA or sinks: the fixed batch of kiln.model.generate
+        new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
+                       stop_tokens=list(stops))  # fmt: skip
+        return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
+    ended = eot_id is not None
+    return [[*ids, eot_id] if ended and why == "stop" else ids for ((ids, why),) in sampled]
 
 
 @torch.no_grad()

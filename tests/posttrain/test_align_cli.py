@@ -49,7 +49,16 @@ def test_dpo_writes_a_loadable_run_and_resumes(
     assert "2 steps" in captured.out and "1 of 13 pairs are longer" in captured.err
     assert run("dpo", "configs/dpo.toml", *common, "--set", "dpo.steps=4") == 2
     assert "holds a run already; --resume" in capsys.readouterr().err
-    assert run("dpo", "configs/dpo.toml", *common, "--set", "dpo.steps=4", "--resume") == 0
+    # A resume that would train on other settings or other pairs is refused, naming what changed.
+    assert run("dpo", "configs/dpo.toml", *common, "--set", "dpo.beta=0.5", "--resume") == 2
+    assert "dpo.beta: 0.1 -> 0.5" in capsys.readouterr().err
+    other = tmp_path / "pairs.jsonl"
+    other.write_text(pairs_file.read_text().replace("sat in", "lay in"))
+    moved = [*common, "--set", f"data.pairs={other}", "--set", "dpo.steps=4", "--resume"]
+    assert run("dpo", "configs/dpo.toml", *moved) == 2
+    assert "differs from the file the run trained on" in capsys.readouterr().err
+    other.write_text(pairs_file.read_text())  # the same pairs, moved: the contents count
+    assert run("dpo", "configs/dpo.toml", *moved) == 0
     assert "resumed, 4 steps" in capsys.readouterr().out
     loaded = load_model(out)
     assert loaded.tokenizer is not None and "<|assistant|>" in loaded.tokenizer.special_tokens

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import KilnError
+from kiln.posttrain import preferences
 from kiln.posttrain.preferences import (
     SamplingConfig,
     build_pairs,
@@ -79,7 +80,10 @@ def test_bad_lines_are_named(tmp_path: Path) -> None:
         read_pairs(path)
 
 
-def test_sampling_is_seeded_and_recorded(chat_tok: Tokenizer) -> None:
+def test_sampling_is_seeded_and_recorded(
+    chat_tok: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(preferences, "ENGINE_PROMPTS", 2)  # two engine batches: 2 + 1 prompts
     model = tiny_model(chat_tok.n_vocab)
     records = [words_record()] * 3
     cfg = SamplingConfig(samples=3, max_new_tokens=12, seed=5)
@@ -87,6 +91,8 @@ def test_sampling_is_seeded_and_recorded(chat_tok: Tokenizer) -> None:
     again = [(r["id"], x, p) for r, x, p in build_pairs(model, chat_tok, records, cfg)]
     assert first == again and len(first) == 3
     assert all(len(replies) == 3 for _, replies, _ in first)
+    # Each prompt draws from its own seed: the same prompt gets other replies at another place.
+    assert first[0][1] != first[1][1] != first[2][1]
     with pytest.raises(KilnError, match="samples must be >= 2"):
         SamplingConfig(samples=1)
 
