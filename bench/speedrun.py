@@ -206,6 +206,26 @@ def plan_specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     return specs
 
 
+def score_model(model: str) -> dict[str, Any]:
+    """Valid bpb of a trained model folder (e.g. a `kiln demo` run), by the record's metric."""
+    import torch
+
+    from kiln.eval.lm import stream_bits_per_byte
+    from kiln.eval.scoring import Scorer
+    from kiln.loading import load_model
+
+    loaded = load_model(model, dtype="fp32")
+    if loaded.tokenizer is None:
+        raise SystemExit(f"{model}: no tokenizer found")
+    scorer = Scorer(loaded.model.eval(), batch_size=16, progress=False)
+    with torch.no_grad():
+        scored = stream_bits_per_byte(
+            scorer, loaded.tokenizer, VALID_TEXT, loaded.tokenizer.special_tokens[EOT]
+        )
+    return {"model": model, "valid_bpb": round(scored.bits_per_byte or 0.0, 4),
+            "valid_tokens": scored.n_tokens, "valid_bytes": scored.n_bytes}  # fmt: skip
+
+
 def main() -> None:
     """Prepare data, run the recipes side by side, print the table and append to the log."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -225,10 +245,14 @@ def main() -> None:
     parser.add_argument("--cache", default=str(DEFAULT_CACHE))
     parser.add_argument("--log", default=str(DEFAULT_LOG))
     parser.add_argument("--table", action="store_true", help="print the log as markdown")
+    parser.add_argument("--score", metavar="MODEL", help="score a trained model (a kiln demo run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.table:
         log_table(Path(args.log))
+        return
+    if args.score:
+        print(json.dumps(score_model(args.score)))
         return
     if args.child:
         print("RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
