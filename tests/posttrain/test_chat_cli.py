@@ -29,8 +29,13 @@ def kiln_chat(model: Path, *args: str, env: dict[str, str] | None = None) -> sub
     return subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "chat", str(model), "--dtype", "fp32", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=full_env, cwd=ROOT,
+        env=full_env, cwd=ROOT, preexec_fn=_default_sigint,
     )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    """Ctrl-C reaches the child even when the suite runs in the background (SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module")
