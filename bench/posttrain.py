@@ -56,29 +56,42 @@ def success(doc: dict[str, Any]) -> tuple[float, dict[str, float]]:
 
 
 def run_seed(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Path]:
-    """Preferences, DPO, GRPO and PPO from the SFT model with one seed; the run folders."""
-    prefs = out / f"prefs-s{seed}"
-    kiln("posttrain", "preferences", args.sft, args.chat, str(prefs), "--seed", str(seed),
-         "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
-         "--max-prompts", str(args.pref_prompts), "--force", "--no-progress")  # fmt: skip
+    """Preferences and DPO, GRPO, PPO (those in --models) from the SFT model; the run folders."""
     runs = {"sft": Path(args.sft)}
-    runs["dpo"] = out / f"dpo-s{seed}"
+    if "dpo" in args.models:
+        prefs = out / f"prefs-s{seed}"
+        if not (args.reuse_prefs and (prefs / "manifest.json").is_file()):
+            kiln("posttrain", "preferences", args.sft, args.chat, str(prefs), "--seed", str(seed),
+                 "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
+                 "--max-prompts", str(args.pref_prompts), "--force", "--no-progress")  # fmt: skip
+        runs["dpo"] = out / f"dpo-s{seed}"
+        dpo(args, seed, prefs, runs["dpo"])
+    for algorithm in ("grpo", "ppo"):
+        if algorithm in args.models:
+            runs[algorithm] = out / f"{algorithm}-s{seed}"
+            rl(args, seed, algorithm, runs[algorithm])
+    return runs
+
+
+def dpo(args: argparse.Namespace, seed: int, prefs: Path, run: Path) -> None:
+    """`kiln dpo` from the SFT model on one seed's pairs."""
     kiln("dpo", str(ROOT / "configs" / "dpo.toml"), "--force", "--no-progress",
          "--set", f"policy.base={args.sft}", "--set", f"data.pairs={prefs / 'pairs.jsonl'}",
-         "--set", f"run_dir={runs['dpo']}", "--set", f"dpo.steps={args.dpo_steps}",
+         "--set", f"run_dir={run}", "--set", f"dpo.steps={args.dpo_steps}",
          "--set", f"dpo.seed={seed}", "--set", f"dpo.lr={args.dpo_lr}",
          "--set", f"dpo.save_every={args.dpo_steps}")  # fmt: skip
-    for algorithm in ("grpo", "ppo"):
-        runs[algorithm] = out / f"{algorithm}-s{seed}"
-        kiln("rl", str(ROOT / "configs" / "grpo.toml"), "--force", "--no-progress",
-             "--set", f"policy.base={args.sft}", "--set", f"data.chat={args.chat}",
-             "--set", f"run_dir={runs[algorithm]}", "--set", f"rl.algorithm={algorithm}",
-             "--set", f"rl.steps={args.rl_steps}", "--set", f"rl.seed={seed}",
-             "--set", f"rl.lr={args.rl_lr}", "--set", f"rl.max_new_tokens={args.max_new_tokens}",
-             "--set", f"rl.group_size={1 if algorithm == 'ppo' else args.group_size}",
-             "--set", f"rl.prompts_per_step={args.prompts_per_step * (args.group_size if algorithm == 'ppo' else 1)}",
-             "--set", f"rl.save_every={args.rl_steps}")  # fmt: skip
-    return runs
+
+
+def rl(args: argparse.Namespace, seed: int, algorithm: str, run: Path) -> None:
+    """`kiln rl` (GRPO or PPO) from the SFT model; PPO draws group_size × as many prompts."""
+    kiln("rl", str(ROOT / "configs" / "grpo.toml"), "--force", "--no-progress",
+         "--set", f"policy.base={args.sft}", "--set", f"data.chat={args.chat}",
+         "--set", f"run_dir={run}", "--set", f"rl.algorithm={algorithm}",
+         "--set", f"rl.steps={args.rl_steps}", "--set", f"rl.seed={seed}",
+         "--set", f"rl.lr={args.rl_lr}", "--set", f"rl.max_new_tokens={args.max_new_tokens}",
+         "--set", f"rl.group_size={1 if algorithm == 'ppo' else args.group_size}",
+         "--set", f"rl.prompts_per_step={args.prompts_per_step * (args.group_size if algorithm == 'ppo' else 1)}",
+         "--set", f"rl.save_every={args.rl_steps}")  # fmt: skip
 
 
 def main() -> int:
@@ -98,6 +111,18 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS[1:]),
+        choices=MODELS[1:],
+        help="which post-trained models to make (the SFT model is always scored)",
+    )
+    parser.add_argument(
+        "--reuse-prefs",
+        action="store_true",
+        help="keep OUT/prefs-sS when it exists (made with the same settings)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +154,7 @@ def table(results: dict[str, Any]) -> str:
     tasks = list(seeds[0]["sft"]["tasks"])
     lines = ["| model | success, mean (min–max) | " + " | ".join(tasks) + " | bpb |",
              "|---|---|" + "---|" * len(tasks) + "---|"]  # fmt: skip
-    for name in MODELS:
+    for name in [m for m in MODELS if m in seeds[0]]:
         rates = [s[name]["success"] for s in seeds]
         per_task = [sum(s[name]["tasks"][t] for s in seeds) / len(seeds) for t in tasks]
         bpb = sum(s[name]["bpb"] for s in seeds) / len(seeds)
