@@ -105,3 +105,12 @@ def test_a_reply_cut_at_the_length_cap_gets_no_end_token(chat_tok: Tokenizer) ->
     end = chat_tok.special_tokens["<|end|>"]
     assert tp.chosen[-1] == end and end not in tp.rejected
     assert tp.rejected == chat_tok.encode("A dog")
+
+
+def test_a_model_the_engine_cannot_hold_samples_on_the_fixed_batch(chat_tok: Tokenizer) -> None:
+    """MLA has no paged cache: replies come from kiln.model.generate, seeded alike."""
+    model = tiny_model(chat_tok.n_vocab, n_kv_head=None, mla={"kv_rank": 16, "rope_dim": 8})
+    cfg = SamplingConfig(samples=2, max_new_tokens=6, seed=1)
+    first = list(build_pairs(model, chat_tok, [words_record()] * 2, cfg))
+    assert [len(replies) for _, replies, _ in first] == [2, 2]
+    assert first == list(build_pairs(model, chat_tok, [words_record()] * 2, cfg))
