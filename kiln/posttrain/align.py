@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from kiln.errors import KilnError
 from kiln.folders import remove_dir
 from kiln.io import atomic_write, sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, load_model
-from kiln.posttrain.chat_data import split_file
+from kiln.posttrain.chat_data import read_manifest, split_file
 from kiln.posttrain.dpo import DPOConfig, TokenPair
 from kiln.posttrain.preferences import read_pairs, tokenize_pair
 from kiln.posttrain.reward_model import RewardConfig, load_reward_model, score_sequences
@@ -155,7 +156,10 @@ RESUMABLE = frozenset({"steps", "save_every", "eval_every", "keep_last"})
 def data_fingerprint(cfg: Any) -> dict[str, str]:
     """sha256 of the data file a run trains on (its pairs, or its chat folder's train prompts)."""
     data = cfg.data
-    path = Path(data.pairs) if isinstance(data, PairsSection) else split_file(data.chat, "train")
+    if isinstance(data, PromptsSection):  # split_file checked the file against this sha256
+        path = split_file(data.chat, "train")
+        return {"file": str(path), "sha256": read_manifest(data.chat)["splits"]["train"]["sha256"]}
+    path = Path(data.pairs)
     if not path.is_file():
         raise KilnError(f"{path}: no such file (data.pairs: the preference pairs, JSON lines)")
     return {"file": str(path), "sha256": sha256_file(path)}
@@ -163,8 +167,6 @@ def data_fingerprint(cfg: Any) -> dict[str, str]:
 
 def check_resumable(run_dir: Path, cfg: Any, data: dict[str, str]) -> None:
     """Refuse to resume a run whose settings or data changed, beyond its length and cadence."""
-    import tomllib
-
     saved_path = run_dir / "config.toml"
     try:
         saved = tomllib.loads(saved_path.read_text())

@@ -80,11 +80,12 @@ def test_rl_run_on_the_chat_tasks(
     tmp_path: Path, chat_run: Path, chat_data: Path, algorithm: str
 ) -> None:
     out = tmp_path / algorithm
-    assert run("rl", "configs/grpo.toml", "--set", f"policy.base={chat_run}",
-               "--set", f"data.chat={chat_data}", "--set", f"run_dir={out}",
-               "--set", f"rl.algorithm={algorithm}", "--set", "rl.steps=2",
-               "--set", "rl.prompts_per_step=2", "--set", "rl.group_size=2",
-               "--set", "rl.max_new_tokens=8") == 0  # fmt: skip
+    args = ["rl", "configs/grpo.toml", "--set", f"policy.base={chat_run}",
+            "--set", f"data.chat={chat_data}", "--set", f"run_dir={out}",
+            "--set", f"rl.algorithm={algorithm}", "--set", "rl.prompts_per_step=2",
+            "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8"]  # fmt: skip
+    assert run(*args, "--set", "rl.steps=1", "--set", "rl.save_every=1") == 0
+    assert run(*args, "--set", "rl.steps=2", "--set", "rl.save_every=1", "--resume") == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and "reward_mean" in records[0]
     load_model(out)
