@@ -23,7 +23,7 @@ from kiln.config import ConfigError, require
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
 from kiln.serve.block_pool import BlockPool, block_bytes
-from kiln.serve.invariant import pad_rows
+from kiln.serve.invariant import ROWS, TiledMatmuls, pad_rows
 from kiln.serve.paged_cache import PagedStep
 from kiln.serve.requests import Completion, RequestHandle, TokenEvent
 from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
@@ -64,7 +64,7 @@ class EngineConfig:
     max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
     prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
-    invariant_rows: int = 4  # matmul rows are padded to a multiple of this when batch_invariant
+    invariant_rows: int = ROWS  # the fixed row tile of every matmul when batch_invariant
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
 
     def __post_init__(self) -> None:
@@ -366,12 +366,15 @@ class Engine:
         ends = list(itertools.accumulate(w.end - w.start for w in work))
         rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
         pad = 0
-        if self.config.batch_invariant:  # every matmul's row count a multiple of `rows`
+        if self.config.batch_invariant:  # whole tiles: elementwise ops and norms see them too
             pad = pad_rows(len(tokens), self.config.invariant_rows) - len(tokens)
         idx = torch.tensor(tokens + [0] * pad, dtype=torch.long, device=self.device)[None]
         cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
                           invariant=self.config.batch_invariant, pad_tokens=pad)  # fmt: skip
-        with torch.inference_mode(), self._autocast():
+        tiles = contextlib.nullcontext()
+        if self.config.batch_invariant:
+            tiles = TiledMatmuls(self.config.invariant_rows)
+        with torch.inference_mode(), self._autocast(), tiles:
             h = self.model.hidden(idx, cache)  # (1, N + pad, C)
             if not rows:
                 return h.new_empty(0, self.model.cfg.vocab_size)

@@ -1,20 +1,85 @@
-"""Batch-invariant matmuls: every linear layer multiplies a row count that is a multiple of 4.
+"""Batch-invariant matmuls: every matmul runs over row tiles of one fixed size, one GEMM per tile.
 
-CPU GEMM kernels pick their algorithm from the matrix shape: the same row multiplied inside a
-batch of 1, 7 or 40 rows gives slightly different results (M = 1 is a matrix-vector kernel,
-M = 2 or odd M take other paths). Measured with torch's MKL sgemm (1 and 2 threads, GPT-2 and
-demo shapes): once M is a multiple of 4, a row's output is bitwise the same for every such M
-and every position in the batch (multiples of 2 are not enough). So the engine pads each
-step's packed tokens with dummy rows up to a multiple of `invariant_rows` (default 4), and the
-rows it takes logits of likewise: every linear layer of the model then multiplies a multiple
-of 4 rows, with no change to the model. The cost: decode of one request does 4 times the matmul work (memory-bound matrix-vector products partly hide it);
-from a few rows on it is at most 3 wasted rows. tests/serve/test_engine.py checks the property
-end to end, bitwise (and fails with `invariant_rows = 1`).
+CPU GEMM libraries pick their kernel, blocking and threading from the shape: the same row
+multiplied inside a batch of 1, 7 or 40 rows can come out with other bits. Padding the row count
+to a multiple of 4 was enough for MKL's AVX2 sgemm on an AMD EPYC, but not under
+`MKL_CBWR=COMPATIBLE` (measured here) nor, reportedly, on Intel AVX-512/AMX, where sgemm picks
+its blocking from M. So in batch-invariant mode the engine runs the model under `TiledMatmuls`:
+every `F.linear` (all linear layers, the LM head, the MoE router) and every 2-D matmul (MoE
+experts) copies its rows into a fresh zero-padded buffer of whole tiles and multiplies tile by
+tile, each tile its own GEMM call of shape (rows, K) x (K, N). The BLAS then sees one (M, K, N)
+per weight whatever the batch, with 64-byte aligned inputs (rows = 16, fp32 or bf16 with even
+K), so a row's bits depend only on the row. Tiles are separate calls rather than one bmm over a
+tile dimension: a batched GEMM may thread or block by the batch count, separate calls cannot.
+
+A torch-function mode (thread-local, entered by the engine around its forward) keeps this out
+of the model: `kiln.model` never imports serve, and the same model trains and serves unchanged.
+Attention is not a matmul the mode sees: `PagedStep.attend` computes it per sequence with
+shapes fixed by the sequence alone (see paged_cache.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+ROWS = 16  # the tile: chosen by bench/invariance.py (8 costs the same and aligns less)
+
+_MATMULS = {torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm}
 
 
 def pad_rows(n: int, rows: int) -> int:
     """n rounded up to a multiple of rows (at least rows)."""
     return max(1, -(-n // rows)) * rows
+
+
+def _tiles(x: Tensor, rows: int) -> Tensor:
+    """x (N, K) copied into a fresh zero buffer of whole tiles (pad_rows(N), K)."""
+    buf = x.new_zeros(pad_rows(x.size(0), rows), x.size(1))  # fresh: 64-byte aligned
+    buf[: x.size(0)] = x
+    return buf
+
+
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows: int = ROWS) -> Tensor:
+    """F.linear(x, weight, bias) computed one (rows, K) tile at a time: row bits batch-free."""
+    lead, K = x.shape[:-1], x.size(-1)
+    flat = x.reshape(-1, K)  # (N, K)
+    n = flat.size(0)
+    buf = _tiles(flat, rows)
+    out = torch.cat([F.linear(buf[i : i + rows], weight, bias) for i in range(0, len(buf), rows)])
+    return out[:n].view(*lead, out.size(-1))  # (..., N_out)
+
+
+def tiled_matmul(a: Tensor, b: Tensor, rows: int = ROWS) -> Tensor:
+    """a (..., K) @ b (K, N) computed one (rows, K) tile of a's rows at a time."""
+    lead = a.shape[:-1]
+    flat = a.reshape(-1, a.size(-1))
+    buf = _tiles(flat, rows)
+    out = torch.cat([buf[i : i + rows] @ b for i in range(0, len(buf), rows)])
+    return out[: flat.size(0)].view(*lead, b.size(-1))
+
+
+class TiledMatmuls(TorchFunctionMode):
+    """Inside this mode, F.linear and (..., K) @ (K, N) matmuls run as fixed-size row tiles."""
+
+    def __init__(self, rows: int = ROWS) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        """Route linear layers and weight matmuls through the tiles; everything else as is."""
+        kwargs = kwargs or {}
+        if func is F.linear:
+            given = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            return tiled_linear(given["input"], given["weight"], given.get("bias"), self.rows)
+        if func in _MATMULS and not kwargs:
+            a, b = args
+            if isinstance(b, Tensor) and b.dim() == 2 and a.dim() >= 2 and a.numel() > 0:
+                return tiled_matmul(a, b, self.rows)
+        return func(*args, **kwargs)

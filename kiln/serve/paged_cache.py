@@ -6,14 +6,15 @@ of them. Attention first writes the new keys and values into the block pool, the
 
 - single-token (decode) segments attend in groups: each row's keys are gathered from its block
   table and padded (from an all-zero block, masked out) to its bucket, the next power of two of
-  its length (at least 16). Rows of one bucket run as one batched matmul / softmax / matmul.
-  The shapes a row goes through depend only on its own length, and measured on CPU (1 and 2
-  threads) a batched matmul gives each batch entry the same bits whatever the batch count, so
-  a row's result does not depend on the rest of the batch. (Fused SDPA is not batch-invariant
-  with 2 threads; padding every row to the batch's longest would not be either.) With
-  invariant=False all decode rows run as one fused SDPA over the longest length instead;
+  its length (at least 16). With invariant=True the rows of one bucket run in tiles of exactly
+  SEQ_TILE sequences (the last tile filled with dummy sequences), one batched matmul / softmax /
+  matmul per tile: every call's shape is fixed by the bucket alone, never by how many requests
+  decode or how long the others are, and each query row's softmax is its own row reduction. A
+  row's bits therefore do not depend on the rest of the batch (checked per position in the tile
+  by tests/serve/test_invariant.py). With invariant=False all decode rows run as one fused SDPA
+  over the longest length instead (fused SDPA is not batch-invariant with 2 threads);
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
-  that depend only on the segment.
+  that depend only on the segment (the scheduler cuts chunks at fixed positions).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kiln.model.attention import attention_mask
 from kiln.serve.block_pool import BlockPool
 
 PAD = 16  # decode keys are padded to a multiple of this (a multiple of any SIMD width)
+SEQ_TILE = 4  # invariant decode attention: sequences per batched call (dummies fill the last)
 
 
 @dataclass(frozen=True)
@@ -97,16 +99,24 @@ class PagedStep:
             buckets: dict[int, list[int]] = {}
             for i, seg in enumerate(decode):
                 buckets.setdefault(max(PAD, 1 << (seg.end - 1).bit_length()), []).append(i)
-            groups = list(buckets.values())
+            groups = [
+                g[t : t + SEQ_TILE] for g in buckets.values() for t in range(0, len(g), SEQ_TILE)
+            ]
         else:
             groups = [list(range(len(decode)))] if decode else []
         # Per group: packed rows, key slots (B, S) padded from the zero block, key counts.
-        self.decode: list[tuple[Tensor, Tensor, Tensor]] = []
+        self.decode: list[tuple[Tensor, Tensor, Tensor, int]] = []  # + real rows
         for group in groups:
             segs = [decode[i] for i in group]
             width = -(-max(s.end for s in segs) // PAD) * PAD
+            rows_of = [decode_rows[i] for i in group]
             if invariant:
                 width = max(PAD, 1 << (segs[0].end - 1).bit_length())
+                # Dummy sequences (one zero key, the first row's query) keep the tile whole;
+                # their outputs are dropped.
+                dummies = SEQ_TILE - len(segs)
+                segs += [Segment((zero_block,), 0, 1)] * dummies
+                rows_of += [rows_of[0]] * dummies
             n_blocks = -(-width // bs)
             tables = torch.tensor([
                 list(s.table[: -(-s.end // bs)]) + [zero_block] * (n_blocks - -(-s.end // bs))
@@ -115,8 +125,8 @@ class PagedStep:
             slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(segs), -1)[:, :width]
             ends = torch.tensor([s.end for s in segs], dtype=torch.long)
             slots = slots.masked_fill(torch.arange(width)[None] >= ends[:, None], pool.zero_slot)
-            rows = torch.tensor([decode_rows[i] for i in group], dtype=torch.long)
-            self.decode.append((rows.to(device), slots.to(device), ends.to(device)))
+            rows = torch.tensor(rows_of, dtype=torch.long)
+            self.decode.append((rows.to(device), slots.to(device), ends.to(device), len(group)))
         self._masks: dict[tuple[int, int | None], Tensor | None] = {}
         self._valid: dict[tuple[int, int | None], Tensor] = {}
 
@@ -144,7 +154,7 @@ class PagedStep:
         """(B, S) which padded key slots each row of decode group g may attend to."""
         key = (g, window)
         if key not in self._valid:
-            _, slots, ends = self.decode[g]
+            _, slots, ends, _ = self.decode[g]
             k_pos = torch.arange(slots.size(1), device=self.device)[None]  # (1, S)
             valid = k_pos < ends[:, None]  # the query sits at end - 1
             if window is not None:
@@ -165,8 +175,8 @@ class PagedStep:
             q3 = q[0]  # (H, N, D)
             out = torch.zeros_like(q3)  # padding rows stay zero
             for g in range(len(self.decode)):
-                rows = self.decode[g][0]
-                out.index_copy_(1, rows, self._decode(g, q3, flat_k, flat_v, window))
+                rows, n = self.decode[g][0], self.decode[g][3]
+                out.index_copy_(1, rows[:n], self._decode(g, q3, flat_k, flat_v, window)[:, :n])
             gqa = q3.size(0) != H_kv
             for i, (_, slots, a, b) in enumerate(self.prefill):
                 keys = flat_k.index_select(1, slots).to(q.dtype)  # (H_kv, S, D)
@@ -182,7 +192,7 @@ class PagedStep:
         self, g: int, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None
     ) -> Tensor:
         """Attention (H, B, D) of decode group g's rows over their padded keys."""
-        rows, slots, _ = self.decode[g]
+        rows, slots, _, _ = self.decode[g]
         B, S = slots.shape
         H, D = q3.size(0), q3.size(-1)
         H_kv = flat_k.size(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -94,15 +96,15 @@ def test_concurrent_requests_hold_shared_prefix_blocks_together(llama, make_engi
     assert [c[0].token_ids for c in out] == reference(llama, prompts, 12)
 
 
-def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine) -> None:
-    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step."""
+def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
+    """A seeded request's (tokens, logits rows, logprobs) alone and amid others joining."""
     prompt = random_prompts(1, 21, 21, 300, seed=7)[0]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=123, logprobs=3)
 
     def run(crowd: bool) -> tuple[list[int], list[torch.Tensor], list[float]]:
         rows: list[torch.Tensor] = []
         spy = SamplingParams(**{**params.__dict__, "logits_processors": (record(rows),)})
-        engine = make_engine(llama, block_size=4, prefill_chunk=8, max_tokens_per_step=20,
+        engine = make_engine(model, block_size=4, prefill_chunk=8, max_tokens_per_step=20,
                              prefix_caching=False)  # fmt: skip
         others = random_prompts(9, 1, 35, 300, seed=8)
         handles = []
@@ -117,11 +119,28 @@ def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine) 
         (done,) = drain(engine, [ours, *handles])[0]
         return done.token_ids, rows, [e.logprob for e in done.logprobs]
 
-    alone, crowd = run(False), run(True)
+    return run(False), run(True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine, threads) -> None:
+    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step."""
+    torch.set_num_threads(threads)
+    alone, crowd = alone_and_in_a_crowd(llama, make_engine)
     assert alone[0] == crowd[0]
     assert len(alone[1]) == len(crowd[1]) == 16
     assert all(torch.equal(x, y) for x, y in zip(alone[1], crowd[1], strict=True))
     assert alone[2] == crowd[2]
+
+
+def test_without_the_tiles_the_logits_move_with_the_batch(llama, make_engine, monkeypatch) -> None:
+    """The check above can fail: with the tiling mode off and no row padding, it does."""
+    import kiln.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "TiledMatmuls", lambda rows: contextlib.nullcontext())
+    monkeypatch.setattr(engine_module, "pad_rows", lambda n, rows: max(n, 1))
+    alone, crowd = alone_and_in_a_crowd(llama, make_engine)
+    assert not all(torch.equal(x, y) for x, y in zip(alone[1], crowd[1], strict=False))
 
 
 def record(rows: list[torch.Tensor]):
