@@ -3,8 +3,11 @@
 Requests arrive with `submit` (from any thread) and leave as soon as they finish; every `step`
 runs one forward over the scheduled segments of all running requests (a decode token each,
 plus prefill chunks up to the token budget), then samples each request's next token with its
-own generator. Greedy output equals `kiln.model.generate` for the prompt alone, and in fp32 on
-CPU a request's logits do not depend on the rest of the batch (see `invariant.py`).
+own generator. Greedy output equals `kiln.model.generate` for the prompt alone. With
+batch_invariant (the default) the forward runs every weight matmul in fixed 16-row tiles and
+decode attention in fixed tiles of sequences, so on CPU a request's logits are bitwise the same
+whatever else is in the batch (see `invariant.py`; docs/engine.md lists what it was verified
+under and what it costs).
 """
 
 from __future__ import annotations
