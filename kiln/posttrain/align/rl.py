@@ -20,9 +20,10 @@ from torch import Tensor
 
 from kiln.config import require
 from kiln.model.transformer import Transformer
-from kiln.posttrain.logprobs import masked_mean
-from kiln.posttrain.reward_model import ScalarHead
-from kiln.posttrain.rl_losses import (
+from kiln.posttrain.align.logprobs import masked_mean
+from kiln.posttrain.align.loop import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.reward_model import ScalarHead
+from kiln.posttrain.align.rl_losses import (
     clipped_policy_loss,
     clipped_value_loss,
     gae,
@@ -31,8 +32,7 @@ from kiln.posttrain.rl_losses import (
     ppo_token_rewards,
     whiten,
 )
-from kiln.posttrain.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
 
 ALGORITHMS = ("grpo", "ppo")
 

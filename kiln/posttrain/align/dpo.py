@@ -19,10 +19,10 @@ from torch import Tensor
 
 from kiln.config import require
 from kiln.model.transformer import Transformer
-from kiln.posttrain.dpo_loss import LOSS_TYPES, DPOOutput, dpo_loss
-from kiln.posttrain.logprobs import masked_sum
-from kiln.posttrain.rollout import policy_logprobs, sequence_batch
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.dpo_loss import LOSS_TYPES, DPOOutput, dpo_loss
+from kiln.posttrain.align.logprobs import masked_sum
+from kiln.posttrain.align.loop import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.rollout import policy_logprobs, sequence_batch
 
 
 @dataclass(frozen=True)

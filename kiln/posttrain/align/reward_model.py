@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kiln.config import require
 from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.loop import PosttrainLoop, PosttrainRun, epoch_slice
 from kiln.train.checkpoint import load_model_tensors
 
 
