@@ -81,8 +81,8 @@ def mean_tokens_per_s(run: Path) -> float:
 def heldout_loss(run: Path, chat: Path) -> float:
     """Mean loss per reply token of a run's model over the held-out conversations."""
     from kiln.loading import load_model
-    from kiln.posttrain.packing import build_rows
-    from kiln.posttrain.sft import render_file, rows_loss
+    from kiln.posttrain.sft.packing import build_rows
+    from kiln.posttrain.sft.run import render_file, rows_loss
 
     loaded = load_model(run, device="cpu")  # dtype auto, as the runs trained
     assert loaded.tokenizer is not None
@@ -135,8 +135,8 @@ def step_timing(base: Path, chat: Path, repeats: int) -> dict[str, float]:
     import torch
 
     from kiln.loading import load_model
-    from kiln.posttrain.packing import build_rows
-    from kiln.posttrain.sft import render_file
+    from kiln.posttrain.sft.packing import build_rows
+    from kiln.posttrain.sft.run import render_file
 
     loaded = load_model(base, device="cpu")
     assert loaded.tokenizer is not None

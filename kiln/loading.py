@@ -156,7 +156,7 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
 
 # ---- kiln checkpoints ------------------------------------------------------------------------
 
-# A LoRA fine-tune (kiln.posttrain.lora) saves its frozen base under the base's names plus, per
+# A LoRA fine-tune (kiln.posttrain.sft.lora) saves its frozen base under the base's names plus, per
 # adapted layer X, X.lora_A.weight (rank, in) and X.lora_B.weight (out, rank); its config's
 # [lora] section gives rank and alpha. Loading merges them: one model for eval, export, serving.
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"

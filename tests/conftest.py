@@ -1,16 +1,23 @@
-"""Shared test fixtures: where the project's shared data lives; a private kiln cache per test."""
+"""Shared test fixtures: where the project's shared data lives; a private kiln cache per test;
+small BPE tokenizers with and without the chat tokens (tests/chat and tests/posttrain use them)."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.fixtures import live_process, require_shared
+from tests.fixtures import EOT, live_process, require_shared
+
+if TYPE_CHECKING:
+    from kiln.tokenizer import Tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ASSETS = Path(__file__).resolve().parents[1] / "kiln" / "assets"
 _test_numbers = itertools.count()
 
 
@@ -37,3 +44,43 @@ def _test_cache(_session_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 live_pid = pytest.fixture(live_process)  # another live process's PID, for "kept while alive" cases
+
+
+@pytest.fixture(scope="session")
+def stories_text() -> str:
+    """About 20 KB of the embedded TinyStories (whole stories)."""
+    with gzip.open(ASSETS / "tinystories_train.txt.gz", "rt", encoding="utf-8") as handle:
+        text = handle.read(20_000)
+    return text[: text.rfind(EOT) + len(EOT)]
+
+
+@pytest.fixture(scope="session")
+def chat_tok_path(tmp_path_factory: pytest.TempPathFactory, stories_text: str) -> Path:
+    """A 320-token BPE trained with the end-of-text and the four chat tokens reserved."""
+    from kiln.chat.tokens import CHAT_TOKENS
+    from kiln.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("chat_tok")
+    (root / "corpus.txt").write_text(stories_text, encoding="utf-8")
+    train_bpe(root / "corpus.txt", 320, special_tokens=[EOT, *CHAT_TOKENS], workers=1).save(
+        root / "tok.json"
+    )
+    return root / "tok.json"
+
+
+@pytest.fixture(scope="session")
+def chat_tok(chat_tok_path: Path) -> Tokenizer:
+    """The tokenizer of `chat_tok_path`."""
+    from kiln.tokenizer import Tokenizer
+
+    return Tokenizer.load(chat_tok_path)
+
+
+@pytest.fixture(scope="session")
+def base_tok(tmp_path_factory: pytest.TempPathFactory, stories_text: str) -> Tokenizer:
+    """A 300-token BPE with only the end-of-text token (a base model's tokenizer)."""
+    from kiln.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("base_tok")
+    (root / "corpus.txt").write_text(stories_text, encoding="utf-8")
+    return train_bpe(root / "corpus.txt", 300, special_tokens=[EOT], workers=1)

@@ -29,7 +29,7 @@ def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
 LAYERS = [
     {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting"},
     {"tokenizer", "kernels"},
-    {"data", "model"},
+    {"chat", "data", "model"},
     {"train"},
     {"loading"},
     {"serve"},
@@ -70,4 +70,18 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
                 wrong.append(f"{'/'.join(rel)} imports kiln.{part}")
             elif part in CLI and part != "__init__":
                 wrong.append(f"{'/'.join(rel)} imports the command line (kiln.{part})")
+    assert wrong == []
+
+
+def test_the_chat_format_imports_only_the_tokenizer_and_the_base_modules() -> None:
+    # Stricter than its layer: chat sits beside data and model but must not lean on them, so the
+    # server, export and post-training can share it without pulling in torch.
+    allowed = {"chat", "tokenizer", *LAYERS[0]}
+    wrong = []
+    for path in sorted((KILN / "chat").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        wrong += [f"chat/{path.name} imports kiln.{p}" for p in _imported_parts(tree) - allowed]
+        modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        modules += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        wrong += [f"chat/{path.name} imports {m}" for m in modules if m.split(".")[0] == "torch"]
     assert wrong == []

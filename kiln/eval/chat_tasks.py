@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kiln.chat import render, require_chat_template
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel
-from kiln.posttrain.chat_format import render, require_chat_template
 from kiln.posttrain.replies import ReplyGenerator, ReplySettings, reply_stop_ids
 from kiln.posttrain.tasks import TASKS, check, score
 
@@ -81,8 +81,8 @@ def heldout_records(
     data: str | os.PathLike[str] | None, limit: int | None
 ) -> tuple[list[dict[str, Any]], str]:
     """The held-out conversations (at most `limit` per task) and a description of their source."""
+    from kiln.chat import iter_conversations
     from kiln.posttrain.chat_data import ChatDataConfig, build, split_file
-    from kiln.posttrain.chat_format import iter_conversations
 
     if data is None:
         # The held-out split does not depend on max_stories: build as little train as can be.

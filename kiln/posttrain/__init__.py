@@ -1,6 +1,6 @@
-"""Post-training: the chat format and renderer, checkable tasks and their data, `kiln chat`.
+"""Post-training: supervised fine-tuning (`sft/`), preference and RL training (`align/`), and
+what they share: the checkable instruction tasks (`tasks`) and their data (`chat_data`), replies
+through the engine (`replies`, `kiln chat` in `chat_session`), `add_chat_tokens`, output folders.
 
-`chat_format` renders conversations to ids + loss mask (the renderer itself lives in
-`kiln.tokenizer.chat`, so export and the server use the same one); `tasks` holds the instruction
-tasks with their program checks; `chat_data` builds conversations from TinyStories.
+The chat format itself (tokens, renderer, template export) is `kiln.chat`.
 """

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
+from kiln.chat import ChatTemplate, render, require_chat_template
 from kiln.errors import KilnError
 from kiln.loading import LoadedModel
-from kiln.posttrain.chat_format import ChatTemplate, render, require_chat_template
 from kiln.posttrain.replies import ReplyGenerator, ReplySettings, reply_stop_ids
 from kiln.tokenizer.tokenizer import Tokenizer
 

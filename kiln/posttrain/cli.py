@@ -1,5 +1,5 @@
 """`kiln posttrain add-chat-tokens|preferences`, `kiln data chat`, `kiln chat`, `kiln sft`, and
-the preference and RL commands `kiln dpo`, `kiln reward`, `kiln rl` (kiln/posttrain/align.py)."""
+the preference and RL commands `kiln dpo`, `kiln reward`, `kiln rl` (kiln/posttrain/align/run.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _add_chat_tokens_command(commands: Any) -> None:
 
 def run_add_chat_tokens(args: argparse.Namespace) -> int:
     """Write OUT and report the tokens and rows added."""
-    from kiln.posttrain.chat_tokens import add_chat_tokens, describe
+    from kiln.posttrain.add_chat_tokens import add_chat_tokens, describe
 
     result = add_chat_tokens(args.model, args.out, force=args.force, tokenizer=args.tokenizer)
     print(describe(result, args.model))
@@ -180,7 +180,7 @@ def _add_sft_command(sub: Any) -> None:
 
 def run_sft(args: argparse.Namespace) -> int:
     """Load the config, fine-tune (resuming if asked), write a LoRA run's adapter."""
-    from kiln.posttrain.sft import build_trainer, load_sft_config, write_adapter
+    from kiln.posttrain.sft.run import build_trainer, load_sft_config, write_adapter
     from kiln.train.cli import load_run_config, train_and_report
 
     cfg, run_dir = load_run_config(args, load_sft_config)
@@ -262,7 +262,7 @@ def _preferences_command(commands: Any) -> None:
 
 def run_preferences(args: argparse.Namespace) -> int:
     """Sample, judge and write the pairs; print how many prompts gave a pair, per task."""
-    from kiln.posttrain.preferences import SamplingConfig, write_preferences
+    from kiln.posttrain.align.preferences import SamplingConfig, write_preferences
 
     cfg = SamplingConfig(
         samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -277,7 +277,7 @@ def run_preferences(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, kind: str) -> int:
-    from kiln.posttrain.align import run_from_config
+    from kiln.posttrain.align.run import run_from_config
 
     overrides = list(args.set)
     print(run_from_config(kind, args.config, overrides, args.resume, args.force,

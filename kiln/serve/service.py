@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
+from kiln.chat.api_messages import ChatMessageError, ServerChat
 from kiln.errors import KilnError
-from kiln.serve.chat_template import ChatMessageError, ServerChat
 from kiln.serve.generation import Generation
 from kiln.serve.limits import ServerLimits, key_matches
 from kiln.serve.metrics import ServerMetrics

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__
+from kiln.chat import CHAT_TOKENS, chat_template_of
 from kiln.errors import KilnError
 from kiln.folders import abandoned_by, check_can_replace_dir, remove_entry
 from kiln.io import write_json_atomic
 from kiln.model.transformer import Transformer
-from kiln.tokenizer.chat import chat_template_of
-from kiln.tokenizer.special import CHAT_TOKENS
 from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train.checkpoint import SHARDED_DIR
 from kiln.train.sharded_checkpoint import is_sharded_checkpoint
@@ -57,7 +56,7 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, eos_token: str, max_length: in
     write_hf(tok, out / "tokenizer.json", force=True)
     special: dict[str, Any] = {"bos_token": eos_token, "eos_token": eos_token}
     template = chat_template_of(tok)
-    if template is not None:  # the chat format (kiln.tokenizer.chat) for apply_chat_template
+    if template is not None:  # the chat format (kiln.chat) for apply_chat_template
         special["additional_special_tokens"] = list(CHAT_TOKENS)
     added = {
         str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,

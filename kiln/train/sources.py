@@ -6,7 +6,7 @@ The trainer needs five things of its data: the vocabulary size, a fingerprint of
 holds, and optionally a sampler for the eval-step samples. A batch's `to_torch(device)` gives
 (inputs, targets, *extra): the extra tensors go to the model after the targets (post-training's
 packed rows add their segment ids there). `TokenShards` is the pre-training data; post-training
-supplies its own (kiln.posttrain.packing).
+supplies its own (kiln.posttrain.sft.packing).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.chat import iter_conversations
 from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.posttrain.chat_data import ChatDataConfig, build, split_file
-from kiln.posttrain.chat_format import iter_conversations
 from kiln.posttrain.tasks import TASKS, check
 from kiln.tokenizer.special import EOT
 

@@ -51,7 +51,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
     def oracle(self: object, prompts: list, settings: object) -> list:
         return [targets[tuple(p)] for p in prompts]
 
-    from kiln.posttrain.chat_format import render
+    from kiln.chat import render
 
     for r in records:
         prompt = render(r["messages"][:-1], tok, add_generation_prompt=True).ids

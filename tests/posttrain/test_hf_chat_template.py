@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.chat import render
+from kiln.chat.tokens import CHAT_TOKENS, END
 from kiln.cli import main
 from kiln.loading import load_model
-from kiln.posttrain.chat_format import render
-from kiln.tokenizer.special import CHAT_TOKENS, END
 
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "Write a story about a girl named Lily."}],

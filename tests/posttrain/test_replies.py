@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.chat import chat_template_of, render
 from kiln.loading import load_model
 from kiln.model.generate import generate
-from kiln.posttrain.chat_format import chat_template_of, render
 from kiln.posttrain.replies import ReplyGenerator, ReplySettings, reply_stop_ids
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 import kiln
-from kiln.tokenizer.special import CHAT_TOKENS, EOT
+from kiln.chat.tokens import CHAT_TOKENS
+from kiln.tokenizer.special import EOT
 
 STORIES = Path(kiln.__file__).parent / "assets" / "tinystories_valid.txt.gz"
 START_TIMEOUT_S = 30.0

@@ -19,9 +19,9 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 
+from kiln.chat import render
 from kiln.serve.limits import ServerLimits
 from kiln.serve.sampling import SamplingParams
-from kiln.tokenizer import chat
 from tests.serve.http.conftest import RunningServer, serve_model, wait_until
 
 PROMPT = "Once upon a time, there was a little dog"
@@ -209,7 +209,7 @@ def test_chat_renders_the_template_streams_and_reports_logprobs(chat_server: Run
     )  # fmt: skip
     choice = out.choices[0]
     assert choice.message.role == "assistant"
-    prompt = chat.render(messages, chat_server.service.tokenizer, add_generation_prompt=True).ids
+    prompt = render(messages, chat_server.service.tokenizer, add_generation_prompt=True).ids
     assert out.usage.prompt_tokens == len(prompt)
     assert choice.message.content == offline(
         chat_server,

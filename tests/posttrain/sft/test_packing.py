@@ -10,7 +10,7 @@ import torch
 from kiln.data.loader import LoaderCursor
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
-from kiln.posttrain.packing import IGNORE, RowLoader, build_rows, pairs
+from kiln.posttrain.sft.packing import IGNORE, RowLoader, build_rows, pairs
 
 
 def _examples(lengths: list[int], seed: int = 0) -> list[tuple[list[int], list[int]]]:

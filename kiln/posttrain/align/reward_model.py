@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kiln.config import require
 from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun, epoch_slice
 from kiln.train.checkpoint import load_model_tensors
 
 
@@ -73,26 +73,17 @@ def score_sequences(model: RewardModel, sequences: Sequence[list[int]]) -> Tenso
 
 
 @dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(LoopConfig):
     """Every setting of a reward-model run (recorded in each checkpoint as config.reward)."""
+
+    SECTION: ClassVar[str] = "reward"
+    COUNTS: ClassVar[tuple[str, ...]] = ("pairs_per_step", "eval_every")
 
     steps: int = 200
     pairs_per_step: int = 16
     lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
     eval_every: int = 50
     save_every: int = 100
-    keep_last: int = 2
-
-    def __post_init__(self) -> None:
-        """Reject settings that cannot run, naming the field."""
-        for name in ("steps", "pairs_per_step", "eval_every", "save_every"):
-            require(
-                getattr(self, name) >= 1, f"reward.{name} must be >= 1, got {getattr(self, name)}"
-            )
-        require(self.lr > 0, f"reward.lr must be > 0, got {self.lr}")
 
 
 class RewardTrainer(PosttrainLoop):

@@ -1,4 +1,6 @@
-"""Checkpoints of post-training loops (DPO, reward model, PPO, GRPO): the pre-training format.
+"""What the post-training loops (DPO, reward model, PPO, GRPO) share: the settings every loop
+has (`LoopConfig`), the loop itself (steps, checkpoints, resume) and its checkpoints, which are in
+the pre-training format.
 
 The trained model is `model.safetensors` under the base run's config, so `kiln.loading` loads a
 post-training checkpoint like any other; extra modules (a value model) sit beside it in their own
@@ -7,13 +9,14 @@ files; the loop's own settings are one section of the config; RNG states make re
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from kiln.config import require
 from kiln.model.config import ModelConfig
 from kiln.train.checkpoint import (
     TrainState,
@@ -27,6 +30,43 @@ from kiln.train.checkpoint import (
     unique_tensors,
 )
 from kiln.train.metrics import MetricsLog
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The settings every loop has: its length, the AdamW step, the seed and the checkpoints.
+
+    Each loop's config (DPOConfig, RewardConfig, RLConfig) extends this one: it names its TOML
+    section in `SECTION` (every error says `section.field`), may give other defaults, lists its own
+    counts that must be >= 1 in `COUNTS` and adds its other checks in `check`.
+    """
+
+    SECTION: ClassVar[str] = "loop"
+    COUNTS: ClassVar[tuple[str, ...]] = ()
+
+    steps: int = 100
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # the global gradient-norm limit of every update
+    seed: int = 0
+    save_every: int = 50
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        """Reject settings that cannot run, naming the field."""
+        for name in ("steps", *self.COUNTS, "save_every", "keep_last"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(self.lr > 0, "lr", "must be > 0")
+        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self.require(self.grad_clip > 0, "grad_clip", "must be > 0")
+        self.check()
+
+    def check(self) -> None:
+        """The loop's own checks, after the shared ones (none here)."""
+
+    def require(self, ok: bool, name: str, expected: str) -> None:
+        """A ConfigError `section.name <expected>, got <value>` unless `ok`."""
+        require(ok, f"{self.SECTION}.{name} {expected}, got {getattr(self, name)!r}")
 
 
 class PosttrainRun:
@@ -100,14 +140,14 @@ def epoch_slice(n: int, k: int, step: int, seed: int) -> list[int]:
 class PosttrainLoop:
     """The shared loop of DPO, reward-model and RL training: steps, checkpoints, resume.
 
-    Subclasses set `model`, `optimizer`, `cfg` (with steps, save_every, keep_last), `section`
-    and `run_dir`, and implement `train_step`; `extra_modules` are saved beside the model.
+    Subclasses set `model`, `optimizer`, `cfg` (a LoopConfig), `section` and `run_dir`, and
+    implement `train_step`; `extra_modules` are saved beside the model.
     """
 
     section: str
     model: nn.Module
     optimizer: Any
-    cfg: Any
+    cfg: LoopConfig
     run_dir: PosttrainRun
     step: int = 0
 

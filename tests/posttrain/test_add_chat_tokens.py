@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.chat import chat_template_of, render
+from kiln.chat.tokens import CHAT_TOKENS
 from kiln.cli import main
 from kiln.io import sha256_file
 from kiln.loading import load_model
 from kiln.model.generate import generate
-from kiln.posttrain.chat_format import chat_template_of, render
-from kiln.posttrain.chat_tokens import add_chat_tokens
+from kiln.posttrain.add_chat_tokens import add_chat_tokens
 from kiln.tokenizer import Tokenizer
-from kiln.tokenizer.special import CHAT_TOKENS, EOT
-
-from .conftest import save_run, tiny_model
+from kiln.tokenizer.special import EOT
+from tests.posttrain.conftest import save_run, tiny_model
 
 
 def test_tokenizer_train_chat_reserves_the_chat_tokens(

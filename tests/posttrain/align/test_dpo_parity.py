@@ -13,8 +13,8 @@ from kiln.errors import KilnError
 from kiln.model import ModelConfig
 from kiln.model.hf import state_dict_to_hf, to_hf
 from kiln.model.transformer import Transformer
-from kiln.posttrain.dpo import DPOConfig, TokenPair, preference_loss
-from kiln.posttrain.dpo_loss import DPOOutput, dpo_loss
+from kiln.posttrain.align.dpo import DPOConfig, TokenPair, preference_loss
+from kiln.posttrain.align.dpo_loss import DPOOutput, dpo_loss
 from tests.fixtures import single_torch_thread
 
 trl = pytest.importorskip("trl", reason="trl (a dev dependency) is the DPO reference")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.posttrain.rl_losses import (
+from kiln.posttrain.align.rl_losses import (
     clipped_policy_loss,
     clipped_value_loss,
     gae,

@@ -1,10 +1,11 @@
-"""Chat requests to prompt ids, through the model's chat template when its tokenizer has one.
+"""Chat API messages (OpenAI's roles) to prompt ids, through the model's chat template.
 
-The layout is kiln's one chat format (`kiln.tokenizer.chat`: each message its role token, its
+The layout is kiln's one chat format (`kiln.chat.render`: each message its role token, its
 text, `<|end|>`, then `<|assistant|>` for the reply, which stops at `<|end|>`), shared with
-export and post-training. A base model's tokenizer has no chat tokens: `ServerChat.of` returns
-None and the server answers chat requests with a 400 saying so. Message text that spells a
-control token is refused, in every message; the error names the message as OpenAI's `param`.
+export and post-training; the server (kiln.serve) renders its chat requests here. A base
+model's tokenizer has no chat tokens: `ServerChat.of` returns None and the server answers chat
+requests with a 400 saying so. Message text that spells a control token is refused, in every
+message; the error names the message as OpenAI's `param`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.chat.render import render
+from kiln.chat.template import ChatTemplate, chat_template_of
 from kiln.errors import KilnError
-from kiln.tokenizer.chat import ChatTemplate, chat_template_of, render
 from kiln.tokenizer.tokenizer import Tokenizer
 
 # OpenAI's "developer" role is its newer name for "system".

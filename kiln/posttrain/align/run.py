@@ -20,18 +20,18 @@ from typing import Any
 import torch
 
 from kiln import config as cfgio
+from kiln.chat import render, require_chat_template
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import remove_dir
 from kiln.io import atomic_write, sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, load_model
+from kiln.posttrain.align.dpo import DPOConfig, TokenPair
+from kiln.posttrain.align.preferences import read_pairs, tokenize_pair
+from kiln.posttrain.align.reward_model import RewardConfig, load_reward_model, score_sequences
+from kiln.posttrain.align.rl import RLConfig
 from kiln.posttrain.chat_data import read_manifest, split_file
-from kiln.posttrain.dpo import DPOConfig, TokenPair
-from kiln.posttrain.preferences import read_pairs, tokenize_pair
-from kiln.posttrain.reward_model import RewardConfig, load_reward_model, score_sequences
-from kiln.posttrain.rl import RLConfig
 from kiln.posttrain.tasks import score
-from kiln.tokenizer.chat import render, require_chat_template
 from kiln.train.checkpoint import config_differences, latest_checkpoint, read_state
 
 
@@ -254,7 +254,7 @@ def rl_prompts(
     section: PromptsSection, loaded: LoadedModel, max_new_tokens: int
 ) -> tuple[list[list[int]], Callable[[int, list[int]], float]]:
     """The prompts (rendered, generation prompt added) and the reward of a reply to prompt i."""
-    from kiln.posttrain.chat_format import iter_conversations
+    from kiln.chat import iter_conversations
 
     tok = loaded.tokenizer
     assert tok is not None
@@ -324,10 +324,10 @@ def run_from_config(
     progress: bool = True,
 ) -> str:
     """Train one `kiln dpo|reward|rl` run from its config; returns the summary line."""
-    from kiln.posttrain.dpo import DPOTrainer
-    from kiln.posttrain.report import CURVES, plot_curves
-    from kiln.posttrain.reward_model import RewardModel, RewardTrainer
-    from kiln.posttrain.rl import RLTrainer
+    from kiln.posttrain.align.dpo import DPOTrainer
+    from kiln.posttrain.align.report import CURVES, plot_curves
+    from kiln.posttrain.align.reward_model import RewardModel, RewardTrainer
+    from kiln.posttrain.align.rl import RLTrainer
 
     cfg = cfgio.load(RUN_CONFIGS[kind], config_path, overrides)
     run_dir = Path(cfg.run_dir)

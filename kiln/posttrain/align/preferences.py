@@ -18,15 +18,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.chat import render, require_chat_template
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.io import iter_json_lines, sha256_file, write_json_atomic
 from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
-from kiln.posttrain.dpo import TokenPair
+from kiln.posttrain.align.dpo import TokenPair
 from kiln.posttrain.output import check_output_folder, output_folder
 from kiln.posttrain.tasks import check, score
-from kiln.tokenizer.chat import render, require_chat_template
 from kiln.tokenizer.tokenizer import Tokenizer
 
 
@@ -145,7 +145,7 @@ def _sample_chunk(
     start: int,
 ) -> list[list[Reply]]:
     """The replies to each of some records (record k of the chunk is record start + k)."""
-    from kiln.posttrain.rollout import engine_sample
+    from kiln.posttrain.align.rollout import engine_sample
     from kiln.serve.sampling import SamplingParams
 
     template = require_chat_template(tokenizer, "sampling")
@@ -232,9 +232,9 @@ def write_preferences(
     """
     from tqdm import tqdm
 
+    from kiln.chat import iter_conversations
     from kiln.loading import load_model
     from kiln.posttrain.chat_data import read_manifest, split_file
-    from kiln.posttrain.chat_format import iter_conversations
 
     check_output_folder(out, force, MANIFEST)  # before any sampling
     loaded = load_model(model, dtype="fp32")

@@ -17,7 +17,7 @@ from kiln.config import ConfigError
 from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
-from kiln.posttrain.logprobs import token_entropy, token_logprobs
+from kiln.posttrain.align.logprobs import token_entropy, token_logprobs
 from kiln.serve.engine import Engine, EngineConfig, check_servable
 from kiln.serve.sampling import SamplingParams
 

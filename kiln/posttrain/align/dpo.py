@@ -12,17 +12,17 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from kiln.config import require
 from kiln.model.transformer import Transformer
-from kiln.posttrain.dpo_loss import LOSS_TYPES, DPOOutput, dpo_loss
-from kiln.posttrain.logprobs import masked_sum
-from kiln.posttrain.rollout import policy_logprobs, sequence_batch
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.dpo_loss import LOSS_TYPES, DPOOutput, dpo_loss
+from kiln.posttrain.align.logprobs import masked_sum
+from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.rollout import policy_logprobs, sequence_batch
 
 
 @dataclass(frozen=True)
@@ -35,33 +35,26 @@ class TokenPair:
 
 
 @dataclass(frozen=True)
-class DPOConfig:
+class DPOConfig(LoopConfig):
     """Every setting of a DPO run (recorded in each checkpoint as config.dpo)."""
+
+    SECTION: ClassVar[str] = "dpo"
+    COUNTS: ClassVar[tuple[str, ...]] = ("pairs_per_step", "eval_every")
 
     beta: float = 0.1
     loss_type: str = "sigmoid"  # "sigmoid" (DPO) | "ipo"
-    steps: int = 100
     pairs_per_step: int = 8
     lr: float = 5e-6
     warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
     eval_every: int = 25
-    save_every: int = 50
-    keep_last: int = 2
 
-    def __post_init__(self) -> None:
-        """Reject settings that cannot run, naming the field."""
-        require(self.beta > 0, f"dpo.beta must be > 0, got {self.beta}")
-        require(
-            self.loss_type in LOSS_TYPES,
-            f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}",
+    def check(self) -> None:
+        """DPO's own settings: a positive beta, a known loss, no negative warmup."""
+        self.require(self.beta > 0, "beta", "must be > 0")
+        self.require(
+            self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}"
         )
-        for name in ("steps", "pairs_per_step", "eval_every", "save_every"):
-            require(getattr(self, name) >= 1, f"dpo.{name} must be >= 1, got {getattr(self, name)}")
-        require(self.lr > 0, f"dpo.lr must be > 0, got {self.lr}")
-        require(self.warmup_steps >= 0, f"dpo.warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
 
 
 def pair_logprobs(model: Transformer, pairs: Sequence[TokenPair]) -> tuple[Tensor, Tensor]:

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 
 from kiln import __version__
+from kiln.chat.tokens import with_chat_tokens
 from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
 from kiln.model.transformer import Transformer
 from kiln.posttrain.output import check_output_folder, output_folder
-from kiln.tokenizer.special import CHAT_TOKENS
-from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train import checkpoint as ckpt
 
 RECORD = (
@@ -41,16 +40,6 @@ class AddedChatTokens:
     rows_added: int  # embedding rows grown (0 when the model's vocab already had room)
     vocab_size: int  # the model's vocab_size after
     checkpoint: Path
-
-
-def with_chat_tokens(tok: Tokenizer) -> tuple[Tokenizer, dict[str, int]]:
-    """`tok` plus the chat tokens it lacks, appended after its largest id; (new tokenizer, added)."""
-    missing = [t for t in CHAT_TOKENS if t not in tok.special_tokens]
-    specials = dict(tok.special_tokens)
-    added = {t: tok.n_vocab + k for k, t in enumerate(missing)}
-    specials.update(added)
-    grown = Tokenizer(tok.vocab, tok.merges, specials, tok.pattern, metadata=tok.metadata)
-    return grown, added
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
 from kiln.model.hf import save_hf_dir
-from kiln.posttrain.lora import (
+from kiln.posttrain.sft.lora import (
     LoRAConfig,
     LoRALinear,
     add_lora,

@@ -3,7 +3,7 @@ losses, and the KL estimators, each on (B, T) tensors of response tokens with a 
 
 Shapes: B responses, T response positions; `mask` (B, T) is true on real response tokens
 (contiguous from the first position). Everything here is pure tensor math, checked against
-hand-worked examples in tests/posttrain/test_rl_losses.py.
+hand-worked examples in tests/posttrain/align/test_rl_losses.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kiln.errors import KilnError
-from kiln.posttrain.logprobs import masked_mean
+from kiln.posttrain.align.logprobs import masked_mean
 
 SCALE_REWARDS = ("group", "batch", "none")
 

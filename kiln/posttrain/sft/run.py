@@ -36,9 +36,9 @@ from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.loading import find_checkpoint, folder_kind, load_model
 from kiln.model.transformer import Transformer
-from kiln.posttrain import lora as lora_mod
-from kiln.posttrain.lora import LoRAConfig
-from kiln.posttrain.packing import LAYOUTS, RowLoader, Rows, build_rows, describe
+from kiln.posttrain.sft import lora as lora_mod
+from kiln.posttrain.sft.lora import LoRAConfig
+from kiln.posttrain.sft.packing import LAYOUTS, RowLoader, Rows, build_rows, describe
 from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train.config import TrainConfig
@@ -56,7 +56,7 @@ class SFTData:
     val: str = ""  # held-out conversations for the val loss ("": none)
     seq_len: int = 256  # positions per row; longer conversations are cut
     seed: int = 0  # the rows' order in each epoch
-    layout: Literal["packed", "padded"] = "packed"  # see kiln/posttrain/packing.py
+    layout: Literal["packed", "padded"] = "packed"  # see kiln/posttrain/sft/packing.py
     # Filled in when the run starts (the resolved config records what was trained on):
     train_sha256: str = ""
     val_sha256: str = ""
@@ -118,7 +118,7 @@ def model_fields(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
 
 def render_file(path: str | Path, tokenizer: Tokenizer) -> list[tuple[list[int], list[int]]]:
     """Every conversation of a JSON-lines file, rendered to (ids, loss_mask)."""
-    from kiln.posttrain.chat_format import iter_conversations, render
+    from kiln.chat import iter_conversations, render
 
     name = str(path)
     if not Path(path).is_file():
@@ -204,7 +204,7 @@ def base_weights_file(path: str | Path) -> Path:
 
 def prepare(cfg: SFTConfig) -> Prepared:
     """Load the base and the conversations; resolve the config; build the data and the hook."""
-    from kiln.posttrain.chat_format import require_chat_template
+    from kiln.chat import require_chat_template
 
     base = load_model(cfg.sft.base, device="cpu", dtype="fp32")
     tok, tokenizer_path = base.tokenizer, base.tokenizer_path

@@ -14,11 +14,11 @@ from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.loading import load_model
-from kiln.posttrain.lora import LoRALinear
-from kiln.posttrain.sft import SFTConfig, build_trainer, load_sft_config, rows_loss
+from kiln.posttrain.sft.lora import LoRALinear
+from kiln.posttrain.sft.run import SFTConfig, build_trainer, load_sft_config, rows_loss
 from kiln.train.trainer import Trainer
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sft.toml"
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "sft.toml"
 FULL = ["lora.rank=0", "model.dropout=0.1"]  # dropout: the RNG state must resume too
 LORA = ["lora.rank=4", "lora.dropout=0.1", "optim.lr=1e-2"]
 

@@ -13,16 +13,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from kiln.config import require
 from kiln.model.transformer import Transformer
-from kiln.posttrain.logprobs import masked_mean
-from kiln.posttrain.reward_model import ScalarHead
-from kiln.posttrain.rl_losses import (
+from kiln.posttrain.align.logprobs import masked_mean
+from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.reward_model import ScalarHead
+from kiln.posttrain.align.rl_losses import (
     clipped_policy_loss,
     clipped_value_loss,
     gae,
@@ -31,15 +31,22 @@ from kiln.posttrain.rl_losses import (
     ppo_token_rewards,
     whiten,
 )
-from kiln.posttrain.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
-from kiln.posttrain.run_state import PosttrainLoop, PosttrainRun, epoch_slice
+from kiln.posttrain.align.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
 
 ALGORITHMS = ("grpo", "ppo")
 
 
 @dataclass(frozen=True)
-class RLConfig:
+class RLConfig(LoopConfig):
     """Every setting of an RL run (recorded in each checkpoint)."""
+
+    SECTION: ClassVar[str] = "rl"
+    COUNTS: ClassVar[tuple[str, ...]] = (
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "epochs",
+    )
 
     algorithm: str = "grpo"  # "grpo" | "ppo"
     steps: int = 20
@@ -47,8 +54,6 @@ class RLConfig:
     group_size: int = 4  # samples per prompt (GRPO's G; PPO may use 1)
     max_new_tokens: int = 32
     temperature: float = 1.0
-    lr: float = 1e-5
-    weight_decay: float = 0.0
     epochs: int = 1  # optimisation passes over each step's rollout (1: strictly on-policy)
     minibatch: int = 0  # rows per update; 0: the whole rollout in one update
     clip: float = 0.2
@@ -58,27 +63,19 @@ class RLConfig:
     lam: float = 0.95
     value_clip: float = 0.2
     vf_coef: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
     save_every: int = 10
-    keep_last: int = 2
 
-    def __post_init__(self) -> None:
-        """Reject settings that cannot run, naming the field."""
-        require(
-            self.algorithm in ALGORITHMS,
-            f"rl.algorithm must be grpo or ppo, got {self.algorithm!r}",
-        )
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs"):
-            require(getattr(self, name) >= 1, f"rl.{name} must be >= 1, got {getattr(self, name)}")
-        require(self.temperature > 0, f"rl.temperature must be > 0, got {self.temperature}")
-        require(self.lr > 0, f"rl.lr must be > 0, got {self.lr}")
-        require(self.clip > 0, f"rl.clip must be > 0, got {self.clip}")
-        require(self.kl_coef >= 0, f"rl.kl_coef must be >= 0, got {self.kl_coef}")
-        require(self.minibatch >= 0, f"rl.minibatch must be >= 0, got {self.minibatch}")
-        require(
+    def check(self) -> None:
+        """RL's own settings: a known algorithm, sampling and clipping that can run."""
+        self.require(self.algorithm in ALGORITHMS, "algorithm", "must be grpo or ppo")
+        self.require(self.temperature > 0, "temperature", "must be > 0")
+        self.require(self.clip > 0, "clip", "must be > 0")
+        self.require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        self.require(self.minibatch >= 0, "minibatch", "must be >= 0")
+        self.require(
             self.algorithm != "grpo" or self.group_size >= 2,
-            f"rl.group_size must be >= 2 for grpo (advantages compare samples), got {self.group_size}",
+            "group_size",
+            "must be >= 2 for grpo (advantages compare samples)",
         )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
-from kiln.posttrain.reward_model import (
+from kiln.posttrain.align.reward_model import (
     RewardConfig,
     RewardModel,
     RewardTrainer,

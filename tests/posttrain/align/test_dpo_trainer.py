@@ -11,7 +11,7 @@ import torch
 from kiln.config import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
-from kiln.posttrain.dpo import DPOConfig, DPOTrainer, TokenPair
+from kiln.posttrain.align.dpo import DPOConfig, DPOTrainer, TokenPair
 from tests.fixtures import single_torch_thread
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)

@@ -11,7 +11,7 @@ import torch
 from kiln.config import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
-from kiln.posttrain.rl import RLConfig, RLTrainer
+from kiln.posttrain.align.rl import RLConfig, RLTrainer
 from kiln.train.checkpoint import latest_checkpoint
 from tests.fixtures import single_torch_thread
 

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import KilnError
-from kiln.posttrain.chat_format import (
+from kiln.chat import (
     chat_template_of,
     iter_conversations,
     render,
     render_text,
 )
+from kiln.chat.tokens import ASSISTANT, CHAT_TOKENS, END, SYSTEM, USER
+from kiln.errors import KilnError
 from kiln.tokenizer import Tokenizer
-from kiln.tokenizer.special import ASSISTANT, CHAT_TOKENS, END, SYSTEM, USER
 
 CONVERSATION = [
     {"role": "system", "content": "You tell stories."},

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.chat import render
 from kiln.errors import KilnError
-from kiln.posttrain import preferences
-from kiln.posttrain.preferences import (
+from kiln.posttrain.align import preferences
+from kiln.posttrain.align.preferences import (
     SamplingConfig,
     build_pairs,
     make_pair,
@@ -19,9 +20,7 @@ from kiln.posttrain.preferences import (
 )
 from kiln.posttrain.tasks import make_example
 from kiln.tokenizer import Tokenizer
-from kiln.tokenizer.chat import render
-
-from .conftest import tiny_model
+from tests.posttrain.conftest import tiny_model
 
 STORY = (
     "Once upon a time, a girl named Lily found a red ball in the park. She threw it to her dog. "
