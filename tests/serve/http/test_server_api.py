@@ -19,8 +19,8 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 
-from kiln.serve.limits import ServerLimits
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine import SamplingParams
+from kiln.serve.http.limits import ServerLimits
 from kiln.tokenizer import chat
 from tests.serve.http.conftest import RunningServer, serve_model, wait_until
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.cli import register
 from kiln.model.generate import generate
 from kiln.model.hf import load_hf_dir
+from kiln.serve.cli import register
 from tests.model.helpers import randomize
 
 transformers = pytest.importorskip("transformers")

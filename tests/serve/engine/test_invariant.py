@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.serve.invariant import pad_rows
+from kiln.serve.engine.invariant import pad_rows
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:

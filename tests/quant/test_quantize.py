@@ -14,7 +14,7 @@ from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
 from kiln.model.generate import generate
 from kiln.model.hf import save_hf_dir
-from kiln.serve.quantize import (
+from kiln.quant.quantize import (
     QuantizedLinear,
     dequantize_int4,
     dequantize_int8,
@@ -244,7 +244,7 @@ def test_kiln_sample_quantize_option(hf_model: Path, capsys: pytest.CaptureFixtu
 def test_the_engine_serves_a_quantized_model_as_generate_does(mode: str) -> None:
     """The server's path: greedy output on the engine equals `generate` on the same quantized model."""
     engine_module = pytest.importorskip("kiln.serve.engine")  # lands with the engine branch
-    from kiln.serve.sampling import SamplingParams
+    from kiln.serve.engine import SamplingParams
 
     model = tiny_model(seed=4, block_size=128)
     quantize_model(model, mode, 32, include_head=True)

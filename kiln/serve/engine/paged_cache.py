@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kiln.model.attention import attention_mask
-from kiln.serve.block_pool import BlockPool
+from kiln.serve.engine.block_pool import BlockPool
 
 PAD = 16  # decode keys are padded to a multiple of this (a multiple of any SIMD width)
 

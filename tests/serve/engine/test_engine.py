@@ -8,7 +8,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.serve.engine import Engine
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine.sampling import SamplingParams
 from tests.serve.conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -275,7 +275,7 @@ def test_a_failing_request_fails_alone(llama, make_engine) -> None:
 
 
 def test_memory_bound_by_bytes_and_gqa_stores_kv_heads(llama, make_engine) -> None:
-    from kiln.serve.block_pool import block_bytes
+    from kiln.serve.engine.block_pool import block_bytes
 
     per_block = block_bytes(llama.cfg, 16, torch.float32)
     engine = make_engine(llama, kv_cache_bytes=12 * per_block + 1)
