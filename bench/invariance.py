@@ -27,8 +27,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, if set,
 
 from kiln.io import write_json_atomic
 from kiln.model import ModelConfig, Transformer
-from kiln.serve.engine import Engine, EngineConfig
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine import Engine, EngineConfig, SamplingParams
 
 MAX_LOAD = 1.5  # a start load above this makes the numbers noise: no record without --noisy
 

@@ -37,7 +37,7 @@ from kiln.eval.scoring import Scorer
 from kiln.eval.tasks import load_task
 from kiln.loading import load_model
 from kiln.model.generate import generate
-from kiln.serve.quantize import model_bytes, quantize_model
+from kiln.quant.quantize import model_bytes, quantize_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEMO_RUN = Path("/work/main/runs/demo-20261201-110757")

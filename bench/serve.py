@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kiln.model import ModelConfig, Transformer
 from kiln.model.hf import save_hf_dir, to_hf
-from kiln.serve.engine import Engine, EngineConfig
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine import Engine, EngineConfig, SamplingParams
 
 Workload = tuple[list[list[int]], list[int]]  # prompts, output lengths
 

@@ -138,7 +138,7 @@ def http_request(url: str, model: str, max_tokens: int, temperature: float):  # 
 
 def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore[no-untyped-def]
     """The same request straight on the engine (no HTTP), recorded into a Load."""
-    from kiln.serve.sampling import SamplingParams
+    from kiln.serve.engine import SamplingParams
 
     tok = engine.tokenizer
 
@@ -158,7 +158,7 @@ def engine_request(engine, max_tokens: int, temperature: float):  # type: ignore
 
 def engine_batch(engine, requests: int, max_tokens: int, temperature: float) -> Load:  # type: ignore[no-untyped-def]
     """Every request handed to engine.generate at once: the engine's best batched throughput."""
-    from kiln.serve.sampling import SamplingParams
+    from kiln.serve.engine import SamplingParams
 
     prompts = [engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
@@ -232,8 +232,8 @@ def main() -> None:
     import torch
 
     from kiln.loading import load_model
-    from kiln.serve.block_pool import block_bytes
     from kiln.serve.engine import Engine
+    from kiln.serve.engine.block_pool import block_bytes
 
     proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
     try:

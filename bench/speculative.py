@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kiln.loading import load_model
 from kiln.model.generate import generate
-from kiln.serve.speculative import (
+from kiln.serve.engine.speculative import (
     DraftModelDrafter,
     PromptLookupDrafter,
     SpeculativeDecoder,

@@ -18,7 +18,6 @@ from kiln.errors import KilnError
 _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
-    "kiln.model.cli",
     "kiln.train.cli",
     "kiln.posttrain.cli",
     "kiln.eval.cli",

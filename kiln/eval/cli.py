@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.serve import quantize_options as quantize
+from kiln.quant import options as quantize
 
 # ../shared/data/eval beside the repository, when kiln runs from a checkout that has it.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval"

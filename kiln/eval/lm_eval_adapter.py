@@ -108,7 +108,7 @@ class KilnLM(LM):
 
     def _request(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], Any]:
         """Prompt ids and sampling parameters of one greedy generation request."""
-        from kiln.serve.sampling import SamplingParams
+        from kiln.serve.engine import SamplingParams
 
         kwargs = dict(gen_kwargs or {})
         until = kwargs.pop("until", None) or []

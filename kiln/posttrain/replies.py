@@ -66,7 +66,7 @@ class ReplyGenerator:
         return self._engine
 
     def _params(self, settings: ReplySettings) -> Any:
-        from kiln.serve.sampling import SamplingParams
+        from kiln.serve.engine import SamplingParams
 
         return SamplingParams(
             max_tokens=settings.max_tokens, temperature=settings.temperature,

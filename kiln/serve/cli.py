@@ -1,16 +1,234 @@
-"""`kiln serve MODEL`: the OpenAI-compatible API and the Storyteller page over the engine."""
+"""`kiln sample` and `kiln serve`: text from a model on the engine, on the terminal or over HTTP.
+
+`kiln sample` streams one sample to stdout; `kiln serve MODEL` runs the OpenAI-compatible API
+and the Storyteller page over the same engine.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import KilnError
+from kiln.quant import options as quantize
 
-DESCRIPTION = """Serve a model over HTTP: OpenAI's API (/v1/models, /v1/completions,
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kiln sample` and `kiln serve` to the `kiln` command."""
+    register_sample(sub)
+    register_serve(sub)
+
+
+SAMPLE_DESCRIPTION = """Generate text from a model, printing tokens as they are decoded.
+
+MODEL is any folder kiln loads: a kiln demo folder, a run folder (or its train/), a run's
+checkpoints/ or one checkpoint (step_N), or an HF model folder (kiln export, or GPT-2/Llama
+saved by transformers) with its tokenizer beside it.
+
+Special tokens: text in --prompt that spells a special token (e.g. <|endoftext|>) is refused
+by default, so a prompt never silently turns into a control token; --allow-special encodes
+such text as the control token instead."""
+
+SAMPLE_EXAMPLES = """examples:
+  kiln sample runs/demo-20260101-120000 --prompt 'Once upon a time' --max-tokens 100
+  kiln sample exports/demo --prompt 'Once upon a time' --temperature 0.8 --top-k 50 --seed 0
+  kiln sample runs/demo/train/checkpoints/step_500 --prompt-ids 50256,464 --temperature 0
+  kiln sample exports/demo --prompt 'The end.<|endoftext|>Once' --allow-special"""
+
+
+def register_sample(sub: argparse._SubParsersAction) -> None:
+    """Add `kiln sample` to the `kiln` command."""
+    from kiln.commands import add_subcommand
+
+    p = add_subcommand(
+        sub,
+        "sample",
+        "generate text from a model (demo, run, checkpoint or HF folder)",
+        SAMPLE_EXAMPLES,
+        description=SAMPLE_DESCRIPTION,
+    )
+    p.add_argument("model", metavar="MODEL", help="demo, run, checkpoint or HF model folder")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt",
+        help="prompt text (special-token text such as <|endoftext|> is refused unless "
+        "--allow-special)",
+    )
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 50256,464")
+    p.add_argument(
+        "--allow-special",
+        action="store_true",
+        help="encode special-token text in --prompt as the control tokens it names",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="kiln tokenizer.json, HF tokenizer.json, or a directory with GPT-2's vocab.json + "
+        "merges.txt (default: the model's own)",
+    )
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, e.g. 0.95")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
+    p.add_argument(
+        "--stop-id",
+        type=int,
+        action="append",
+        default=None,
+        help="token id that ends the sample (repeatable; default: the model's end-of-text id)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument(
+        "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
+    )
+    quantize.add_quantize_options(p)
+    p.set_defaults(handler=run_sample)
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """Check the arguments, load the model (and tokenizer), then stream the sample to stdout."""
+    _check_args(args)  # every flag is checked before anything loads or prints
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    from kiln.loading import load_model
+
+    loaded = load_model(
+        args.model, args.tokenizer, args.device, args.dtype, need_tokenizer=prompt_ids is None
+    )
+    print(f"kiln sample: {loaded.source}", file=sys.stderr)
+    print("\n".join(loaded.precision.lines("kiln sample")), file=sys.stderr)
+    quantize.quantize_from_args(loaded.model, args, "kiln sample")
+    tok = loaded.tokenizer
+    if prompt_ids is None:
+        from kiln.tokenizer.user_text import encode_user_text
+
+        assert tok is not None  # load_model refuses a missing tokenizer when one is needed
+        ids = encode_user_text(tok, args.prompt, args.allow_special, "--prompt",
+                               "pass --allow-special")  # fmt: skip
+        if not ids and loaded.eot_id is not None:
+            ids = [loaded.eot_id]  # an empty prompt starts a fresh document
+        shown = args.prompt
+    else:
+        ids = prompt_ids
+    _check_fits(ids, args.max_tokens, loaded.model.cfg)
+    if prompt_ids is not None:
+        shown = _decode_known(tok, ids) if tok is not None else None
+    events = _engine_events(loaded, ids, args)
+    # The first token is decoded before the prompt is printed, so whatever generation
+    # refuses fails before any output.
+    first = next(events, None)
+    rest: Iterator[Any] = chain([first], events) if first is not None else iter(())
+    if tok is None or shown is None:
+        for event in rest:
+            print(event.token_id, end=" ", flush=True)
+        print()
+    else:
+        sys.stdout.write(shown)
+        for event in rest:
+            sys.stdout.write(event.text)  # whole characters only: the engine holds the rest
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Iterator[Any]:
+    """The sample's token events from the serving engine (this is the CLI layer: it may).
+
+    A model the paged cache cannot hold (MLA, attention sinks) decodes with kiln.model.generate.
+    """
+    from kiln.config import ConfigError
+    from kiln.serve.engine import Engine, EngineConfig, SamplingParams, check_servable
+
+    stop = args.stop_id if args.stop_id is not None else list(loaded.stop_ids)
+    stop = [i for i in stop if i >= 0]  # a negative --stop-id matches nothing: no stop at all
+    try:
+        check_servable(loaded.model.cfg)
+    except ConfigError:
+        yield from _generate_events(loaded, ids, args, stop)
+        return
+    config = EngineConfig(max_num_seqs=1, prefix_caching=False,
+                          num_blocks=-(-(len(ids) + args.max_tokens) // 16))  # fmt: skip
+    engine = Engine.from_loaded(loaded, config)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+        stop_token_ids=tuple(stop), ignore_eos=True,  # exactly the stops asked for
+    )  # fmt: skip
+    handle = engine.submit(ids, params)
+    yield from handle
+    (done,) = handle.result()
+    if done.finish_reason == "error":
+        raise KilnError(f"generation failed: {done.error}")
+
+
+def _generate_events(
+    loaded: Any, ids: list[int], args: argparse.Namespace, stop: list[int]
+) -> Iterator[Any]:
+    """Token events from kiln.model.generate's one-prompt decoding, whole characters only."""
+    import codecs
+    from types import SimpleNamespace
+
+    from kiln.model.generate import stream
+
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    tok = loaded.tokenizer
+    with loaded.autocast():
+        for token in stream(loaded.model, ids, args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop_tokens=stop):  # fmt: skip
+            text = utf8.decode(tok.decode_bytes([token])) if tok is not None else ""
+            yield SimpleNamespace(token_id=token, text=text)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """One clear line for a bad sampling flag, before the model is loaded."""
+    if args.max_tokens < 1:
+        raise KilnError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise KilnError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise KilnError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise KilnError(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+def _check_fits(ids: list[int], max_tokens: int, cfg: Any) -> None:
+    """The prompt's ids exist in the model and leave room for --max-tokens new ones."""
+    if not ids:
+        raise KilnError("the prompt is empty (and the model has no end-of-text id to start from)")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise KilnError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if len(ids) + max_tokens > cfg.block_size:
+        raise KilnError(
+            f"the prompt ({len(ids)} tokens) + --max-tokens {max_tokens} exceeds the model's "
+            f"block size {cfg.block_size}; lower --max-tokens or shorten the prompt"
+        )
+
+
+def _decode_known(tok: Any, ids: list[int]) -> str:
+    """Text of ids, leaving out ids of a padded vocabulary that the tokenizer does not have."""
+    return str(tok.decode([i for i in ids if i < tok.n_vocab]))
+
+
+def _parse_ids(text: str) -> list[int]:
+    """Comma-separated token ids, with a clear error for anything else."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise KilnError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise KilnError("--prompt-ids is empty")
+    return ids
+
+
+SERVE_DESCRIPTION = """Serve a model over HTTP: OpenAI's API (/v1/models, /v1/completions,
 /v1/chat/completions, streaming), /health, /metrics (Prometheus) and the Storyteller page at /.
 
 MODEL is any folder kiln loads (a kiln demo folder, a run, a checkpoint, an HF model folder).
@@ -20,7 +238,7 @@ the KILN_API_KEY environment variable, which `ps` does not show). Clients send i
 SIGTERM (or Ctrl+C) stops accepting requests, lets running ones finish for --grace seconds,
 cancels the rest and exits 0."""
 
-EXAMPLES = """examples:
+SERVE_EXAMPLES = """examples:
   kiln serve runs/demo-20260101-120000
   kiln serve runs/demo-20260101-120000 --port 8080 --max-concurrent 16
   KILN_API_KEY=s3cret kiln serve exports/demo --host 0.0.0.0
@@ -30,14 +248,14 @@ EXAMPLES = """examples:
 API_KEY_ENV = "KILN_API_KEY"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register_serve(sub: argparse._SubParsersAction) -> None:
     """Add `kiln serve` to the `kiln` command."""
     from kiln.commands import add_subcommand
-    from kiln.serve.limits import ServerLimits
+    from kiln.serve.http.limits import ServerLimits
 
     p = add_subcommand(
-        sub, "serve", "serve a model: OpenAI-compatible API and the Storyteller page", EXAMPLES,
-        description=DESCRIPTION,
+        sub, "serve", "serve a model: OpenAI-compatible API and the Storyteller page",
+        SERVE_EXAMPLES, description=SERVE_DESCRIPTION,
     )  # fmt: skip
     p.add_argument("model", metavar="MODEL", help="demo, run, checkpoint or HF model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -79,7 +297,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def limits_from_args(args: argparse.Namespace) -> object:
     """ServerLimits from the command line (bad values: one KilnError line naming the limit)."""
-    from kiln.serve.limits import ServerLimits
+    from kiln.serve.http.limits import ServerLimits
 
     return ServerLimits(
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
@@ -103,7 +321,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Check the exposure rule, load the model and engine, then serve until SIGTERM."""
-    from kiln.serve.limits import check_exposure
+    from kiln.serve.http.limits import check_exposure
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_exposure(args.host, api_key)  # before any loading: a refused start is instant
@@ -113,7 +331,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kiln.loading import load_model
     from kiln.serve.engine import Engine, EngineConfig
-    from kiln.serve.server import ServerOptions, create_app, run_server
+    from kiln.serve.http.server import ServerOptions, create_app, run_server
 
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)

@@ -146,7 +146,7 @@ def _sample_chunk(
 ) -> list[list[Reply]]:
     """The replies to each of some records (record k of the chunk is record start + k)."""
     from kiln.posttrain.align.rollout import engine_sample
-    from kiln.serve.sampling import SamplingParams
+    from kiln.serve.engine import SamplingParams
 
     template = require_chat_template(tokenizer, "sampling")
     prompts = [

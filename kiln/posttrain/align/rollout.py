@@ -18,8 +18,7 @@ from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.model.transformer import Transformer
 from kiln.posttrain.align.logprobs import token_entropy, token_logprobs
-from kiln.serve.engine import Engine, EngineConfig, check_servable
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine import Engine, EngineConfig, SamplingParams, check_servable
 
 # (prompt index, response ids) -> scalar reward; the task checks and reward models both fit it.
 RewardFn = Callable[[int, list[int]], float]

@@ -82,8 +82,8 @@ def serve_model(
     """Serve `model_dir` in this process (a uvicorn thread) until the block ends."""
     from kiln.loading import load_model
     from kiln.serve.engine import Engine, EngineConfig
-    from kiln.serve.limits import ServerLimits
-    from kiln.serve.server import ServerOptions, create_app, make_server
+    from kiln.serve.http.limits import ServerLimits
+    from kiln.serve.http.server import ServerOptions, create_app, make_server
 
     loaded = load_model(model_dir, device="cpu", dtype="fp32")
     engine = Engine.from_loaded(loaded, EngineConfig(**(engine_options or {})))

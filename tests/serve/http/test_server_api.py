@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from kiln.chat import render
-from kiln.serve.limits import ServerLimits
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine import SamplingParams
+from kiln.serve.http.limits import ServerLimits
 from tests.serve.http.conftest import RunningServer, serve_model, wait_until
 
 PROMPT = "Once upon a time, there was a little dog"

@@ -17,7 +17,7 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 
 from kiln.cli import main
-from kiln.serve.limits import check_exposure, is_loopback, key_matches
+from kiln.serve.http.limits import check_exposure, is_loopback, key_matches
 from tests.serve.http.conftest import RunningServer, serve_model
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -18,7 +18,7 @@ from typing import Any
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 
-from kiln.serve.server import PAGE_POLICY, page_html
+from kiln.serve.http.server import PAGE_POLICY, page_html
 from tests.serve.http.conftest import RunningServer, serve_model
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

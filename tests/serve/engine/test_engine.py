@@ -10,7 +10,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.serve.engine import Engine
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine.sampling import SamplingParams
 from tests.serve.conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -135,7 +135,7 @@ def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine, 
 
 def test_without_the_tiles_the_logits_move_with_the_batch(llama, make_engine, monkeypatch) -> None:
     """The check above can fail: with the tiling mode off and no row padding, it does."""
-    import kiln.serve.engine as engine_module
+    import kiln.serve.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "TiledMatmuls", lambda rows: contextlib.nullcontext())
     monkeypatch.setattr(engine_module, "pad_rows", lambda n, rows: max(n, 1))
@@ -294,7 +294,7 @@ def test_a_failing_request_fails_alone(llama, make_engine) -> None:
 
 
 def test_memory_bound_by_bytes_and_gqa_stores_kv_heads(llama, make_engine) -> None:
-    from kiln.serve.block_pool import block_bytes
+    from kiln.serve.engine.block_pool import block_bytes
 
     per_block = block_bytes(llama.cfg, 16, torch.float32)
     engine = make_engine(llama, kv_cache_bytes=12 * per_block + 1)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-    from kiln.serve.quantize import QuantReport
+    from kiln.quant.quantize import QuantReport
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
@@ -42,7 +42,7 @@ def quantize_from_args(
     """Apply a command's --quantize options to its loaded model and print the report line."""
     if getattr(args, "quantize", None) is None:
         return None
-    from kiln.serve.quantize import quantize_model
+    from kiln.quant.quantize import quantize_model
 
     report = quantize_model(model, args.quantize, args.quantize_group, args.quantize_head)
     print(f"{command}: {report.describe()}", file=sys.stderr)

@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.serve.block_pool import BlockKey, BlockPool, block_keys
-from kiln.serve.paged_cache import Segment
+from kiln.serve.engine.block_pool import BlockKey, BlockPool, block_keys
+from kiln.serve.engine.paged_cache import Segment
 
 
 @dataclass(eq=False)

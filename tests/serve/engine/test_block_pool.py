@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.errors import KilnError
-from kiln.serve.block_pool import BlockPool, block_keys
+from kiln.serve.engine.block_pool import BlockPool, block_keys
 from tests.model.helpers import llama_small
 
 

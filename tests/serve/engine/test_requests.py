@@ -9,9 +9,9 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.serve.engine import EngineConfig, EngineConfigError, EngineFull
-from kiln.serve.sampling import SamplingParams, SamplingParamsError
+from kiln.serve.engine.sampling import SamplingParams, SamplingParamsError
 from tests.serve.conftest import random_prompts
-from tests.serve.test_engine import reference
+from tests.serve.engine.test_engine import reference
 
 
 @pytest.mark.parametrize(

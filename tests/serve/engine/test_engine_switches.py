@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.model.generate import generate
-from kiln.serve.sampling import SamplingParams
+from kiln.serve.engine.sampling import SamplingParams
 from tests.model.helpers import build, gpt2_small, llama_small
 from tests.serve.conftest import random_prompts
 

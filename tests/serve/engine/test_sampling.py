@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.serve.sampling import (
+from kiln.serve.engine.sampling import (
     SamplingParams,
     apply_penalties,
     sample_generator,

@@ -12,8 +12,8 @@ import torch
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
 from kiln.model.generate import generate
-from kiln.serve import speculative
-from kiln.serve.speculative import (
+from kiln.serve.engine import speculative
+from kiln.serve.engine.speculative import (
     GREEDY,
     DraftModelDrafter,
     PromptLookupDrafter,

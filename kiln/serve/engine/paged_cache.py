@@ -11,7 +11,7 @@ of them. Attention first writes the new keys and values into the block pool, the
   matmul per tile: every call's shape is fixed by the bucket alone, never by how many requests
   decode or how long the others are, and each query row's softmax is its own row reduction. A
   row's bits therefore do not depend on the rest of the batch (checked per position in the tile
-  by tests/serve/test_invariant.py). With invariant=False all decode rows run as one fused SDPA
+  by tests/serve/engine/test_invariant.py). With invariant=False all decode rows run as one fused SDPA
   over the longest length instead (fused SDPA is not batch-invariant with 2 threads);
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
   that depend only on the segment (the scheduler cuts chunks at fixed positions).
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kiln.model.attention import attention_mask
-from kiln.serve.block_pool import BlockPool
+from kiln.serve.engine.block_pool import BlockPool
 
 PAD = 16  # decode keys are padded to a multiple of this (a multiple of any SIMD width)
 SEQ_TILE = 4  # invariant decode attention: sequences per batched call (dummies fill the last)

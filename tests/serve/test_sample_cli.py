@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.cli import register
 from kiln.model.generate import generate
 from kiln.model.hf import load_hf_dir
+from kiln.serve.cli import register
 from tests.model.helpers import randomize
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,6 @@ def test_sample_from_token_ids_prints_the_greedy_continuation(hf_dir: Path, caps
 def test_sample_text_with_the_gpt2_tokenizer(
     hf_dir: Path, shared_data: Path, tmp_path: Path, capsys
 ) -> None:
-    pytest.importorskip("kiln.tokenizer.formats")
     model_dir = tmp_path / "model"
     shutil.copytree(hf_dir, model_dir)
     for name in ("vocab.json", "merges.txt"):

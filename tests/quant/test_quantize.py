@@ -14,7 +14,7 @@ from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer
 from kiln.model.generate import generate
 from kiln.model.hf import save_hf_dir
-from kiln.serve.quantize import (
+from kiln.quant.quantize import (
     QuantizedLinear,
     dequantize_int4,
     dequantize_int8,
@@ -25,6 +25,7 @@ from kiln.serve.quantize import (
     quantize_model,
     unpack_nibbles,
 )
+from kiln.serve.engine import Engine, EngineConfig, SamplingParams
 from tests.fixtures import single_torch_thread
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)
@@ -89,6 +90,7 @@ def test_kernel_layer_equals_the_dequantize_fallback(mode: str, group_size: int)
         want = nn.functional.linear(x, fallback.dequantized_weight(), linear.bias)
         torch.testing.assert_close(fallback(x), want)
     assert fallback.kernel == "dequant"  # the fallback is exactly dequantize + matmul
+    assert not auto.kernel_disagrees, auto.kernel_note  # a wrong kernel fails, never skips
     if auto.kernel != "torch":
         pytest.skip(f"torch's {mode} kernel does not run here: {auto.kernel_note}")
     with torch.no_grad():
@@ -100,6 +102,29 @@ def test_kernel_layer_equals_the_dequantize_fallback(mode: str, group_size: int)
     assert bool((w_err <= 1e-2 * fallback.weight.abs().amax(dim=1)).all())  # bf16 scales
 
 
+def test_a_kernel_that_disagrees_is_told_apart_from_one_that_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's verdict the tests above rely on: a wrong kernel is flagged, never a skip."""
+    linear = nn.Linear(256, 96, bias=False)
+    real = QuantizedLinear._kernel_matmul
+    monkeypatch.setattr(QuantizedLinear, "_kernel_matmul", lambda self, x: 2 * real(self, x))
+    auto = QuantizedLinear(linear, "int8", kernel="auto")
+    assert (auto.kernel, auto.kernel_disagrees) == ("dequant", True)
+    assert "differs from the fallback" in auto.kernel_note
+    with pytest.raises(KilnError, match="int8 kernel disagrees with the fallback"):
+        QuantizedLinear(linear, "int8", kernel="torch")
+
+    def cannot_run(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("no kernel for this device")
+
+    monkeypatch.setattr(QuantizedLinear, "_kernel_matmul", cannot_run)
+    missing = QuantizedLinear(linear, "int8", kernel="auto")
+    assert (missing.kernel, missing.kernel_disagrees) == ("dequant", False)
+    with pytest.raises(KilnError, match="int8 kernel does not run"):
+        QuantizedLinear(linear, "int8", kernel="torch")
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @torch.no_grad()
 def test_a_kernel_row_does_not_depend_on_the_rest_of_the_batch(mode: str) -> None:
@@ -108,6 +133,7 @@ def test_a_kernel_row_does_not_depend_on_the_rest_of_the_batch(mode: str) -> Non
     (The fallback's F.linear is an ordinary fp32 GEMM, made batch-invariant by the engine.)
     """
     layer = QuantizedLinear(nn.Linear(256, 512, bias=False), mode, 64)
+    assert not layer.kernel_disagrees, layer.kernel_note
     if layer.kernel != "torch":
         pytest.skip(f"torch's {mode} kernel does not run here: {layer.kernel_note}")
     x = torch.randn(40, 256)
@@ -243,13 +269,10 @@ def test_kiln_sample_quantize_option(hf_model: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_the_engine_serves_a_quantized_model_as_generate_does(mode: str) -> None:
     """The server's path: greedy output on the engine equals `generate` on the same quantized model."""
-    engine_module = pytest.importorskip("kiln.serve.engine")  # lands with the engine branch
-    from kiln.serve.sampling import SamplingParams
-
     model = tiny_model(seed=4, block_size=128)
     quantize_model(model, mode, 32, include_head=True)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 50))]
     want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
-    engine = engine_module.Engine(model, None, engine_module.EngineConfig(num_blocks=64))
+    engine = Engine(model, None, EngineConfig(num_blocks=64))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [c[0].token_ids for c in engine.generate(prompts, params)] == want

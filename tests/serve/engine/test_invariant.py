@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.serve.invariant import TiledMatmuls, pad_rows, tiled_linear, tiled_matmul
+from kiln.serve.engine.invariant import TiledMatmuls, pad_rows, tiled_linear, tiled_matmul
 
 SHAPES = [(256, 768), (256, 4096), (704, 256), (64, 384)]  # demo and test model (K, N)
 

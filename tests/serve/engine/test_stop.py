@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.serve.stop import TextStream
+from kiln.serve.engine.stop import TextStream
 
 
 class Bytes:

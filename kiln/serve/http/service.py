@@ -15,10 +15,10 @@ from fastapi import Request
 
 from kiln.chat.api_messages import ChatMessageError, ServerChat
 from kiln.errors import KilnError
-from kiln.serve.generation import Generation
-from kiln.serve.limits import ServerLimits, key_matches
-from kiln.serve.metrics import ServerMetrics
-from kiln.serve.openai_schema import ApiError, ChatRequest, CompletionRequest, chat_logprob
+from kiln.serve.http.generation import Generation
+from kiln.serve.http.limits import ServerLimits, key_matches
+from kiln.serve.http.metrics import ServerMetrics
+from kiln.serve.http.openai_schema import ApiError, ChatRequest, CompletionRequest, chat_logprob
 from kiln.tokenizer.user_text import encode_user_text
 
 PROMPT_OPT_IN = "send the prompt as token ids"
@@ -46,8 +46,7 @@ class ServerState:
 
 def _engine_types() -> tuple[Any, Any]:
     """SamplingParams and EngineFull (imported late: the engine module imports torch)."""
-    from kiln.serve.engine import EngineFull
-    from kiln.serve.sampling import SamplingParams
+    from kiln.serve.engine import EngineFull, SamplingParams
 
     return SamplingParams, EngineFull
 
@@ -325,7 +324,7 @@ class Service:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine error names (the first known field name in its message)."""
-    from kiln.serve.openai_schema import ChatRequest, CompletionRequest
+    from kiln.serve.http.openai_schema import ChatRequest, CompletionRequest
 
     SamplingParams, _ = _engine_types()
     known = (

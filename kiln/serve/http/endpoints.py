@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kiln.serve.generation import Generation
-from kiln.serve.openai_schema import (
+from kiln.serve.http.generation import Generation
+from kiln.serve.http.openai_schema import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -27,7 +27,7 @@ from kiln.serve.openai_schema import (
     sse,
     usage,
 )
-from kiln.serve.service import Service
+from kiln.serve.http.service import Service
 
 
 def finish_reason(completion: Any) -> str:

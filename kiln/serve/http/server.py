@@ -22,9 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.serve.endpoints import chat_completions, completions
-from kiln.serve.openai_schema import ApiError
-from kiln.serve.service import ServerOptions, Service
+from kiln.serve.http.endpoints import chat_completions, completions
+from kiln.serve.http.openai_schema import ApiError
+from kiln.serve.http.service import ServerOptions, Service
 
 __all__ = ["ServerOptions", "create_app", "make_server", "run_server"]
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kiln.serve.metrics import ServerMetrics
+from kiln.serve.http.metrics import ServerMetrics
 
 
 class Generation:

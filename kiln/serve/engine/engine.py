@@ -25,14 +25,14 @@ import torch
 from kiln.config import ConfigError, require
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
-from kiln.serve.block_pool import BlockPool, block_bytes
-from kiln.serve.invariant import ROWS, TiledMatmuls, pad_rows
-from kiln.serve.paged_cache import PagedStep
-from kiln.serve.requests import Completion, RequestHandle, TokenEvent
-from kiln.serve.sampling import Sampled, SamplingParams, sample_generator, sample_token
-from kiln.serve.scheduler import Scheduler, Work
-from kiln.serve.scheduler import Sequence as Seq
-from kiln.serve.stop import TextStream
+from kiln.serve.engine.block_pool import BlockPool, block_bytes
+from kiln.serve.engine.invariant import ROWS, TiledMatmuls, pad_rows
+from kiln.serve.engine.paged_cache import PagedStep
+from kiln.serve.engine.requests import Completion, RequestHandle, TokenEvent
+from kiln.serve.engine.sampling import Sampled, SamplingParams, sample_generator, sample_token
+from kiln.serve.engine.scheduler import Scheduler, Work
+from kiln.serve.engine.scheduler import Sequence as Seq
+from kiln.serve.engine.stop import TextStream
 
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
