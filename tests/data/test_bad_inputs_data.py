@@ -112,6 +112,8 @@ def test_data_run_damaged_compressed_input_is_one_line(
     argv = ["data", "run", str(config), "--out", str(tmp_path / "out"), "--quiet"]
     code, err = _main([*argv, "--workers", "1"], capsys)
     assert_one_clear_line(code, err, str(bad), "corrupt or truncated compressed file")
+    # Nothing was done that a re-run could use: no out.partial/ is left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([bad.name, config.name])
 
 
 @pytest.mark.parametrize(("suffix", "kind"), DAMAGE)
