@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kiln import __version__
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.io import atomic_write, write_json_atomic
 from kiln.tokenizer.corpus import Utf8Report, iter_segments
 from kiln.tokenizer.merge_ref import ReferenceMergeEngine
@@ -305,7 +305,7 @@ def train_bpe(
         raise KilnError("no input files given")
     for p in paths:
         if not os.path.isfile(p):
-            raise KilnError(f"{p}: no such file")
+            raise not_found(p, "file")
     specials = list(dict.fromkeys(special_tokens))
     if any(not isinstance(s, str) or not s for s in specials):
         raise KilnError(f"special tokens must be non-empty strings, got {specials!r}")
