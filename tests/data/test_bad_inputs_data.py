@@ -405,3 +405,22 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(capsys, tmp_path, tiny_tokeni
     assert_one_clear_line(code, err, f"{tmp_path}: is a directory, expected a tokenizer file")
     code, err = _main(["data", "inspect", str(tmp_path / "nowhere")], capsys)
     assert_one_clear_line(code, err, "nowhere: no such dataset directory")
+
+
+def test_a_bad_number_names_the_config_file_or_the_flag(
+    capsys, tmp_path, tiny_tokenizer_file
+) -> None:
+    src = tmp_path / "a.txt"
+    src.write_bytes(_text(5))
+    config = tmp_path / "p.toml"
+    config.write_text(
+        f'docs_per_task = -5\n[[sources]]\nname = "s"\npaths = ["{src}"]\n'
+        f'[tokenize]\ntokenizer = "{tiny_tokenizer_file}"\n',
+        encoding="utf-8",
+    )
+    code, err = _main(["data", "run", str(config), "--out", str(tmp_path / "o")], capsys)
+    assert_one_clear_line(code, err, f"{config}: docs_per_task = -5: expected >= 1")
+    argv = ["data", "tokenize", "--tokenizer", str(tiny_tokenizer_file), str(src), "--quiet"]
+    code, err = _main([*argv, "--out", str(tmp_path / "d"), "--val-fraction", "1.5"], capsys)
+    assert_one_clear_line(code, err, "--val-fraction 1.5: expected a fraction in [0, 1)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "p.toml"]
