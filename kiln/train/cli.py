@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import time
@@ -230,7 +231,9 @@ def train_and_report(
     if after is not None:
         after(trainer, result)
     if result.interrupted:
-        again = shlex.join(["kiln", command, args.config, *_set_args(args.set), "--resume"])
+        again = shlex.join(
+            continue_command(command, [args.config, *_set_args(args.set), "--resume"])
+        )
         say(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
         say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"
@@ -245,6 +248,20 @@ def train_and_report(
         f"metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+def continue_command(command: str, argv: list[str], env: Any = None) -> list[str]:
+    """The command line that continues this run: `kiln COMMAND ARGV`, or under torchrun (its
+    environment says so) the same `torchrun ... -m kiln.cli COMMAND ARGV` shape it was run in."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_WORLD_SIZE" not in env:
+        return ["kiln", command, *argv]
+    local = env.get("LOCAL_WORLD_SIZE", "1")
+    launcher = ["torchrun", "--nproc-per-node", local]
+    world = env.get("WORLD_SIZE", local)
+    if world.isdigit() and local.isdigit() and int(world) > int(local) > 0:
+        launcher += ["--nnodes", str(int(world) // int(local))]  # plus the same rendezvous flags
+    return [*launcher, "-m", "kiln.cli", command, *argv]
 
 
 def _end_reached(trainer: Any) -> str:

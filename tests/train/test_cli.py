@@ -108,3 +108,20 @@ def test_non_finite_float_in_the_config_is_one_clear_line(
     assert err == [f"kiln: error: {config}: optim.{key} = {text}: expected a finite number"]
     assert main(["train", str(CONFIGS / "tiny.toml"), "--set", f"optim.{key}={text}"]) == 2
     assert f"optim.{key} = {text}: expected a finite number" in capsys.readouterr().err
+
+
+def test_the_continue_hint_after_a_signal_repeats_the_torchrun_launch() -> None:
+    """Stopped by SIGTERM under torchrun, the printed hint must relaunch with torchrun too (a
+    bare `kiln train --resume` would resume on one process)."""
+    from kiln.train.cli import continue_command
+
+    argv = ["my.toml", "--set", "optim.lr=1e-3", "--resume"]
+    assert continue_command("train", argv, env={}) == ["kiln", "train", *argv]
+    single_node = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "8"}
+    assert continue_command("train", argv, env=single_node) == [
+        "torchrun", "--nproc-per-node", "8", "-m", "kiln.cli", "train", *argv,
+    ]  # fmt: skip
+    four_nodes = {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "32"}
+    assert continue_command("sft", argv, env=four_nodes)[:6] == [
+        "torchrun", "--nproc-per-node", "8", "--nnodes", "4", "-m",
+    ]  # fmt: skip
