@@ -207,7 +207,13 @@ def train_and_report(
     """
     from kiln.train.trainer import Trainer
 
-    trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
+    made_here = not Path(run_dir).exists() and os.environ.get("RANK", "0") == "0"
+    try:
+        trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
+    except Exception:
+        if made_here:
+            remove_if_untouched(Path(run_dir))
+        raise
     # Under torchrun every rank runs this; only the main one speaks.
     say = trainer.say
     m, c = trainer.model_cfg, trainer.cfg
@@ -226,7 +232,14 @@ def train_and_report(
         for note in trainer.notes:
             say(f"kiln train: note: {note}")
     start = time.perf_counter()
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except Exception:  # e.g. a corrupt shard: a folder with nothing of the run in it goes
+        if made_here:
+            if (lock := getattr(trainer, "_run_lock", None)) is not None:
+                lock.release()  # ours, let go before its folder is
+            remove_if_untouched(Path(run_dir))
+        raise
     elapsed = time.perf_counter() - start
     if after is not None:
         after(trainer, result)
@@ -248,6 +261,29 @@ def train_and_report(
         f"metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+# What a run folder holds before its first logged step or checkpoint.
+_START_FILES = {".lock", "config.toml", "metrics.jsonl", "samples.jsonl", "checkpoints"}
+
+
+def remove_if_untouched(run_dir: Path) -> bool:
+    """Delete a run folder a failed start made when it holds nothing of the run: only the lock,
+    the config and empty logs (no metrics, no checkpoint). Returns whether it was deleted."""
+    from kiln.folders import remove_dir
+
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        return False
+    for entry in run_dir.iterdir():
+        if entry.name not in _START_FILES or entry.is_symlink():
+            return False
+        if entry.name == "checkpoints":
+            if not entry.is_dir() or any(entry.iterdir()):
+                return False
+        elif entry.name.endswith(".jsonl") and entry.stat().st_size > 0:
+            return False
+    remove_dir(run_dir)
+    return True
 
 
 def continue_command(command: str, argv: list[str], env: Any = None) -> list[str]:
