@@ -200,33 +200,35 @@ def _count_phase(
     batch_bytes = seen = 0
     # Smaller blocks for small corpora, so the held-out slice can be spread over the corpus.
     block_bytes = min(1 << 20, max(1 << 12, total_bytes // 200))
-    for segment in iter_segments(
-        inputs,
-        specials,
-        pattern.is_builtin,
-        block_bytes=block_bytes,
-        text_field=text_field,
-        strict_utf8=strict_utf8,
-        report=report,
-        on_progress=bar.update,
-    ):
-        # The held-out slice is every 50th segment until the budget is spent: spread over the
-        # corpus rather than taken from its head.
-        seen += 1
-        if holdout_budget > 0 and seen % 50 == 0:
-            held.append(segment)
-            holdout_budget -= len(segment)
-            continue
-        batch.append(segment)
-        batch_bytes += len(segment)
-        if batch_bytes >= _BATCH_BYTES:
-            counter.add(batch, parallel)
-            if callback:
-                callback("count", bar.n, total_bytes)
-            batch, batch_bytes = [], 0
+    try:  # a bad input ends the bar first, so the error starts on its own line
+        for segment in iter_segments(
+            inputs,
+            specials,
+            pattern.is_builtin,
+            block_bytes=block_bytes,
+            text_field=text_field,
+            strict_utf8=strict_utf8,
+            report=report,
+            on_progress=bar.update,
+        ):
+            # The held-out slice is every 50th segment until the budget is spent: spread over the
+            # corpus rather than taken from its head.
+            seen += 1
+            if holdout_budget > 0 and seen % 50 == 0:
+                held.append(segment)
+                holdout_budget -= len(segment)
+                continue
+            batch.append(segment)
+            batch_bytes += len(segment)
+            if batch_bytes >= _BATCH_BYTES:
+                counter.add(batch, parallel)
+                if callback:
+                    callback("count", bar.n, total_bytes)
+                batch, batch_bytes = [], 0
+    finally:
+        bar.close()
     if batch:
         counter.add(batch, parallel)
-    bar.close()
     words, counts, pruned, pruned_occ = counter.finish(min_frequency)
     if not words:
         raise KilnError(
@@ -276,7 +278,8 @@ def _merge_phase(
         if state is not None:
             state.save_merges(merges)
         raise
-    bar.close()
+    finally:
+        bar.close()
     return merges
 
 
