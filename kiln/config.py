@@ -350,7 +350,7 @@ def load(
             raise ConfigError(f"--set {assignment}: {exc}") from None
     try:
         return from_dict(cls, data)
-    except ConfigError as exc:
+    except KilnError as exc:  # a config's own checks (__post_init__) may raise a plain KilnError
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
 
 

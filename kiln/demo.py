@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -118,18 +120,35 @@ def _check_arguments(args: argparse.Namespace) -> None:
             )
 
 
+# Every file an older demo (before the marker) wrote, as paths relative to its folder: its
+# layout is accepted by --force only when it holds nothing else.
+_DEMO_FILES = re.compile(
+    r"tokenizer\.json"
+    r"|data/(manifest\.json|[a-z]+_\d{6}\.(bin|idx))"
+    r"|train/(config\.toml|metrics\.jsonl|samples\.jsonl|\.lock)"
+    r"|train/checkpoints/(latest|step_\d+/(model\.safetensors|optimizer\.pt|state\.json))"
+    r"|report/(summary\.json|loss\.png)"
+)
+
+
 def is_demo_dir(path: Path) -> bool:
     """Whether `path` is a run folder `kiln demo` made (the only kind --force replaces)."""
     if (path / DEMO_MARKER).is_file():
         return True
-    # Folders of kiln versions before the marker: only the demo's own entries, with a tokenizer
-    # and what only a demo run makes beside it (a tokenizer.json and data/ alone are any
-    # user's tokenizer work, which --force must not delete).
-    names = {entry.name for entry in path.iterdir()}
+    # A folder of a kiln version before the marker: every file in it must be one a demo writes
+    # (a user's corpus or weights beside them make it the user's), with a tokenizer and what
+    # only a demo run makes (a tokenizer.json and data/ alone are any user's tokenizer work).
+    if not {entry.name for entry in path.iterdir()} <= DEMO_ENTRIES:
+        return False
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            relative = Path(root, name).relative_to(path).as_posix()
+            if Path(root, name).is_symlink() or not _DEMO_FILES.fullmatch(relative):
+                return False
     made_by_a_run = (path / "train" / "checkpoints").is_dir() or (
         path / "report" / "summary.json"
     ).is_file()
-    return (path / "tokenizer.json").is_file() and names <= DEMO_ENTRIES and made_by_a_run
+    return (path / "tokenizer.json").is_file() and made_by_a_run
 
 
 def _prepare_out(out: Path, force: bool) -> None:

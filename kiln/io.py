@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason
 
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".bz2")
 
@@ -185,7 +185,9 @@ def iter_jsonl_texts(
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise KilnError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+                raise KilnError(
+                    f"{path}:{line_no}: invalid JSON ({json_error_reason(exc, line_no)})"
+                ) from None
             except UnicodeDecodeError as exc:
                 raise KilnError(
                     f"{path}:{line_no}: invalid UTF-8 at byte {exc.start} of the line"

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kiln.devices import Precision, choose_precision, resolve_device
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.special import EOT
@@ -253,7 +253,7 @@ def load_tokenizer(path: Path, state: dict[str, Any], cfg: ModelConfig) -> Token
     from kiln.tokenizer.formats import read_any
 
     if not path.is_file():
-        raise KilnError(f"{path}: no such tokenizer file")
+        raise not_found(path, "tokenizer file")
     tok = read_any(path)
     trained = state.get("dataset", {}).get("vocab_size")
     if trained is not None and tok.n_vocab != trained:

@@ -118,7 +118,40 @@ def test_demo_force_keeps_a_tokenizer_folder_that_no_demo_run_made(
     _fails_with_one_line(argv, capsys, str(out), "is not a kiln demo run folder")
     assert (out / "data" / "corpus.txt").read_text() == "mine"
     (out / "report").mkdir()
-    (out / "report" / "summary.json").write_text("{}")  # now it is what an older demo left
+    (out / "report" / "summary.json").write_text("{}")
+    # A report beside it does not make the user's corpus a demo's file.
+    _fails_with_one_line(argv, capsys, str(out), "is not a kiln demo run folder")
+    assert (out / "data" / "corpus.txt").read_text() == "mine"
+    (out / "data" / "corpus.txt").unlink()
+    for name in ("manifest.json", "train_000000.bin", "train_000000.idx"):
+        (out / "data" / name).write_text("")
+    _prepare_out(out, force=True)  # now every file in it is one an older demo wrote
+    assert sorted(p.name for p in out.iterdir()) == [DEMO_MARKER]
+
+
+def test_demo_force_keeps_a_user_folder_in_the_old_demo_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's folder: a demo's layout (tokenizer.json, data/, train/checkpoints/) holding
+    the user's corpus and weights, no marker. --force must refuse it and delete nothing."""
+    out = tmp_path / "mine"
+    (out / "data").mkdir(parents=True)
+    (out / "train" / "checkpoints").mkdir(parents=True)
+    (out / "tokenizer.json").write_text("{}")
+    (out / "data" / "my_corpus.txt").write_text("corpus")
+    (out / "train" / "my_weights.bin").write_bytes(b"weights")
+    argv = ["demo", "--steps", "1", "--out", str(out), "--force"]
+    _fails_with_one_line(argv, capsys, str(out), "is not a kiln demo run folder")
+    assert (out / "data" / "my_corpus.txt").read_text() == "corpus"
+    assert (out / "train" / "my_weights.bin").read_bytes() == b"weights"
+    (out / "data" / "my_corpus.txt").unlink()  # only the weights left: still the user's
+    _fails_with_one_line(argv, capsys, "is not a kiln demo run folder")
+    assert (out / "train" / "my_weights.bin").read_bytes() == b"weights"
+    # A link in it is never followed into, and never taken for a demo's file.
+    (out / "train" / "my_weights.bin").unlink()
+    (out / "data" / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    _fails_with_one_line(argv, capsys, "is not a kiln demo run folder")
+    (out / "data" / "manifest.json").unlink()
     _prepare_out(out, force=True)
     assert sorted(p.name for p in out.iterdir()) == [DEMO_MARKER]
 

@@ -149,6 +149,15 @@ def run_tokenize(args: argparse.Namespace) -> int:
     """Handler of `kiln data tokenize`."""
     from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
 
+    # TokenizeConfig checks these too, but by its field names; a user typed the flags.
+    for flag, value, ok, expected in (
+        ("--val-fraction", args.val_fraction, lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+        ("--val-docs", args.val_docs, lambda v: v >= 0, ">= 0"),
+        ("--shard-tokens", args.shard_tokens, lambda v: v >= 1, ">= 1"),
+        ("--workers", args.workers, lambda v: v >= 1, ">= 1"),
+    ):
+        if value is not None and not ok(value):
+            raise KilnError(f"{flag} {value}: expected {expected}")
     config = TokenizeConfig(
         tokenizer=args.tokenizer,
         inputs=tuple(args.inputs),

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.io import write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -158,7 +158,7 @@ class Manifest:
         """Read and check `directory/manifest.json`; problems name the file and the field."""
         path = directory / MANIFEST_NAME
         if not directory.is_dir():
-            raise KilnError(f"{directory}: no such dataset directory")
+            raise not_found(directory, "dataset directory")
         if not path.is_file():
             raise KilnError(f"{path}: missing; {directory} is not a kiln token-shard dataset")
         try:

@@ -18,7 +18,7 @@ from kiln.data.shard_format import (
     read_idx,
 )
 from kiln.data.verified import VerifiedStamp
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.io import sha256_file
 
 
@@ -214,7 +214,7 @@ class Dataset:
         stamp = VerifiedStamp.load(root / MANIFEST_NAME) if verify else None
         if tokenizer is not None:
             if not os.path.isfile(tokenizer):
-                raise KilnError(f"{tokenizer}: no such tokenizer file")
+                raise not_found(tokenizer, "tokenizer file")
             found = sha256_file(tokenizer)
             if found != manifest.tokenizer.sha256:
                 raise KilnError(

@@ -38,7 +38,7 @@ from kiln.data.manifest import (
 from kiln.data.procs import interrupts_deferred, stop_pool, worker_init
 from kiln.data.shard_format import dtype_for_vocab, dtype_name
 from kiln.data.shard_writer import ShardWriter
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.fault_points import kill_point
 from kiln.folders import abandoned_by
 from kiln.io import sha256_file
@@ -186,7 +186,7 @@ def load_tokenizer_entry(path_text: str, eot_token: str) -> tuple[Tokenizer, Tok
 
     path = Path(path_text)
     if not path.is_file():
-        raise KilnError(f"{path}: no such tokenizer file")
+        raise not_found(path, "tokenizer file")
     tok = read_any(path)
     eot_id = tok.special_tokens.get(eot_token)
     if eot_id is None:
@@ -295,7 +295,7 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
     _check_output(out, config.force)
     for path in config.inputs:
         if not os.path.isfile(path):
-            raise KilnError(f"{path}: no such input file")
+            raise not_found(path, "input file")
     tok, tok_entry = _load_tokenizer(config)
     dtype = dtype_for_vocab(tok.n_vocab)
     total = _count_documents(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,8 +119,15 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.model is None:
         raise KilnError("MODEL is required (a demo, run, checkpoint or HF model folder)")
     if not (args.tasks or args.val or args.bpb or args.lm_eval_tasks or _chat(args)):
+        hint = (
+            f"; {args.model} is a file, and MODEL is a model folder (score a text file with "
+            "--bpb FILE)"
+            if os.path.isfile(args.model)
+            else ""
+        )
         raise KilnError(
-            "nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks (or --chat-tasks)"
+            f"nothing to evaluate for {args.model}: pass --tasks, --val, --bpb or "
+            f"--lm-eval-tasks (or --chat-tasks){hint}"
         )
     if args.limit is not None and args.limit < 1:
         raise KilnError(f"--limit must be >= 1, got {args.limit}")

@@ -16,7 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason
 from kiln.io import open_binary
 
 MULTIPLE_CHOICE = "multiple_choice"
@@ -84,7 +84,11 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
+                reason = (
+                    json_error_reason(exc, line_no)
+                    if isinstance(exc, json.JSONDecodeError)
+                    else "invalid UTF-8"
+                )
                 raise KilnError(f"{path}:{line_no}: invalid JSON ({reason})") from None
             if not isinstance(record, dict):
                 raise KilnError(f"{path}:{line_no}: expected a JSON object")

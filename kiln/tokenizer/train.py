@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kiln import __version__
-from kiln.errors import KilnError
+from kiln.errors import KilnError, not_found
 from kiln.io import atomic_write, write_json_atomic
 from kiln.tokenizer.corpus import Utf8Report, iter_segments
 from kiln.tokenizer.merge_ref import ReferenceMergeEngine
@@ -200,33 +200,35 @@ def _count_phase(
     batch_bytes = seen = 0
     # Smaller blocks for small corpora, so the held-out slice can be spread over the corpus.
     block_bytes = min(1 << 20, max(1 << 12, total_bytes // 200))
-    for segment in iter_segments(
-        inputs,
-        specials,
-        pattern.is_builtin,
-        block_bytes=block_bytes,
-        text_field=text_field,
-        strict_utf8=strict_utf8,
-        report=report,
-        on_progress=bar.update,
-    ):
-        # The held-out slice is every 50th segment until the budget is spent: spread over the
-        # corpus rather than taken from its head.
-        seen += 1
-        if holdout_budget > 0 and seen % 50 == 0:
-            held.append(segment)
-            holdout_budget -= len(segment)
-            continue
-        batch.append(segment)
-        batch_bytes += len(segment)
-        if batch_bytes >= _BATCH_BYTES:
-            counter.add(batch, parallel)
-            if callback:
-                callback("count", bar.n, total_bytes)
-            batch, batch_bytes = [], 0
+    try:  # a bad input ends the bar first, so the error starts on its own line
+        for segment in iter_segments(
+            inputs,
+            specials,
+            pattern.is_builtin,
+            block_bytes=block_bytes,
+            text_field=text_field,
+            strict_utf8=strict_utf8,
+            report=report,
+            on_progress=bar.update,
+        ):
+            # The held-out slice is every 50th segment until the budget is spent: spread over the
+            # corpus rather than taken from its head.
+            seen += 1
+            if holdout_budget > 0 and seen % 50 == 0:
+                held.append(segment)
+                holdout_budget -= len(segment)
+                continue
+            batch.append(segment)
+            batch_bytes += len(segment)
+            if batch_bytes >= _BATCH_BYTES:
+                counter.add(batch, parallel)
+                if callback:
+                    callback("count", bar.n, total_bytes)
+                batch, batch_bytes = [], 0
+    finally:
+        bar.close()
     if batch:
         counter.add(batch, parallel)
-    bar.close()
     words, counts, pruned, pruned_occ = counter.finish(min_frequency)
     if not words:
         raise KilnError(
@@ -276,7 +278,8 @@ def _merge_phase(
         if state is not None:
             state.save_merges(merges)
         raise
-    bar.close()
+    finally:
+        bar.close()
     return merges
 
 
@@ -305,7 +308,7 @@ def train_bpe(
         raise KilnError("no input files given")
     for p in paths:
         if not os.path.isfile(p):
-            raise KilnError(f"{p}: no such file")
+            raise not_found(p, "file")
     specials = list(dict.fromkeys(special_tokens))
     if any(not isinstance(s, str) or not s for s in specials):
         raise KilnError(f"special tokens must be non-empty strings, got {specials!r}")

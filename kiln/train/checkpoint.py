@@ -360,6 +360,9 @@ def tidy(checkpoints: Path, keep_last: int | None) -> list[str]:
     """
     removed, kept = clean_leftovers(checkpoints)
     notes = [f"removed leftover {name} from {checkpoints}" for name in removed]
+    repaired = repair_latest(checkpoints)
+    if repaired is not None:
+        notes.append(f"{checkpoints / LATEST} was missing: it now names {repaired.name}")
     for name in kept:
         missing = [f for f in FILES if not (checkpoints / name / f).is_file()]
         notes.append(
@@ -369,6 +372,29 @@ def tidy(checkpoints: Path, keep_last: int | None) -> list[str]:
     if keep_last is not None:
         prune(checkpoints, keep_last)
     return notes
+
+
+def resume_checkpoint(checkpoints: Path) -> Path | None:
+    """The checkpoint a resume continues from: the one `latest` names, else the newest complete.
+
+    A kill between a save's rename and its `latest` write (the first save has no older pointer)
+    leaves a complete step_N and no `latest`; that step is the run's newest state.
+    """
+    latest = latest_checkpoint(checkpoints)
+    if latest is None and not (checkpoints / LATEST).exists():
+        listed = list_checkpoints(checkpoints)
+        latest = listed[-1][1] if listed else None
+    return latest
+
+
+def repair_latest(checkpoints: Path) -> Path | None:
+    """Point a missing `latest` at the newest complete checkpoint; returns it (None: no change)."""
+    if (checkpoints / LATEST).exists() or (target := resume_checkpoint(checkpoints)) is None:
+        return None
+    with atomic_write(checkpoints / LATEST) as handle:
+        handle.write(target.name + "\n")
+    _fsync_dir(checkpoints)
+    return target
 
 
 def _trash_name(path: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import time
@@ -206,7 +207,13 @@ def train_and_report(
     """
     from kiln.train.trainer import Trainer
 
-    trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
+    made_here = not Path(run_dir).exists() and os.environ.get("RANK", "0") == "0"
+    try:
+        trainer = (build or Trainer)(cfg, run_dir, resume=args.resume)
+    except Exception:
+        if made_here:
+            remove_if_untouched(Path(run_dir))
+        raise
     # Under torchrun every rank runs this; only the main one speaks.
     say = trainer.say
     m, c = trainer.model_cfg, trainer.cfg
@@ -225,12 +232,21 @@ def train_and_report(
         for note in trainer.notes:
             say(f"kiln train: note: {note}")
     start = time.perf_counter()
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except Exception:  # e.g. a corrupt shard: a folder with nothing of the run in it goes
+        if made_here:
+            if (lock := getattr(trainer, "_run_lock", None)) is not None:
+                lock.release()  # ours, let go before its folder is
+            remove_if_untouched(Path(run_dir))
+        raise
     elapsed = time.perf_counter() - start
     if after is not None:
         after(trainer, result)
     if result.interrupted:
-        again = shlex.join(["kiln", command, args.config, *_set_args(args.set), "--resume"])
+        again = shlex.join(
+            continue_command(command, [args.config, *_set_args(args.set), "--resume"])
+        )
         say(f"kiln train: stopped at step {result.step:,}; saved {result.checkpoint}")
         say(f"kiln train: continue with: {again}")
         return 128 + (result.signal or signal.SIGINT)  # the shell's code for "killed by it"
@@ -245,6 +261,43 @@ def train_and_report(
         f"metrics in {run_dir / 'metrics.jsonl'}"
     )
     return 0
+
+
+# What a run folder holds before its first logged step or checkpoint.
+_START_FILES = {".lock", "config.toml", "metrics.jsonl", "samples.jsonl", "checkpoints"}
+
+
+def remove_if_untouched(run_dir: Path) -> bool:
+    """Delete a run folder a failed start made when it holds nothing of the run: only the lock,
+    the config and empty logs (no metrics, no checkpoint). Returns whether it was deleted."""
+    from kiln.folders import remove_dir
+
+    if not run_dir.is_dir() or run_dir.is_symlink():
+        return False
+    for entry in run_dir.iterdir():
+        if entry.name not in _START_FILES or entry.is_symlink():
+            return False
+        if entry.name == "checkpoints":
+            if not entry.is_dir() or any(entry.iterdir()):
+                return False
+        elif entry.name.endswith(".jsonl") and entry.stat().st_size > 0:
+            return False
+    remove_dir(run_dir)
+    return True
+
+
+def continue_command(command: str, argv: list[str], env: Any = None) -> list[str]:
+    """The command line that continues this run: `kiln COMMAND ARGV`, or under torchrun (its
+    environment says so) the same `torchrun ... -m kiln.cli COMMAND ARGV` shape it was run in."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_WORLD_SIZE" not in env:
+        return ["kiln", command, *argv]
+    local = env.get("LOCAL_WORLD_SIZE", "1")
+    launcher = ["torchrun", "--nproc-per-node", local]
+    world = env.get("WORLD_SIZE", local)
+    if world.isdigit() and local.isdigit() and int(world) > int(local) > 0:
+        launcher += ["--nnodes", str(int(world) // int(local))]  # plus the same rendezvous flags
+    return [*launcher, "-m", "kiln.cli", command, *argv]
 
 
 def _end_reached(trainer: Any) -> str:

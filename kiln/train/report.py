@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason, not_found
 from kiln.io import atomic_write
 from kiln.plotting import pyplot, save_png
 
@@ -46,14 +46,16 @@ def read_metrics(path: str | Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise KilnError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+            raise KilnError(
+                f"{path}:{line_no}: invalid JSON ({json_error_reason(exc, line_no)})"
+            ) from None
     return records
 
 
 def read_run_metrics(run_dir: Path) -> list[dict]:
     """The metrics records of a run directory; a clear error when it has none."""
     if not run_dir.is_dir():
-        raise KilnError(f"{run_dir}: no such run directory")
+        raise not_found(run_dir, "run directory")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise KilnError(

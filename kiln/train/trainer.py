@@ -248,7 +248,7 @@ class Trainer:
 
     def _find_resume_point(self, resume: bool) -> tuple[Path, dict[str, Any]] | None:
         """The checkpoint to resume from (checked against this config), or None for a fresh run."""
-        latest = ckpt.latest_checkpoint(self.checkpoints)
+        latest = ckpt.resume_checkpoint(self.checkpoints)  # tidy() rewrites a lost `latest`
         if not resume:
             if latest is not None or ckpt.list_checkpoints(self.checkpoints):
                 raise KilnError(

@@ -112,6 +112,8 @@ def test_data_run_damaged_compressed_input_is_one_line(
     argv = ["data", "run", str(config), "--out", str(tmp_path / "out"), "--quiet"]
     code, err = _main([*argv, "--workers", "1"], capsys)
     assert_one_clear_line(code, err, str(bad), "corrupt or truncated compressed file")
+    # Nothing was done that a re-run could use: no out.partial/ is left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([bad.name, config.name])
 
 
 @pytest.mark.parametrize(("suffix", "kind"), DAMAGE)
@@ -370,3 +372,55 @@ def test_inspect_without_verification_names_the_shard_of_an_out_of_range_id(
     _poke(_first_bin(root), 0, 65_535)  # in the sample document (document 0)
     code, err = _main(["data", "inspect", str(root), "--no-verify"], capsys)
     assert_one_clear_line(code, err, "train_000000.bin", "token 0 is id 65535")
+
+
+# ----------------------------------------------------------------- wording of the errors
+
+
+def test_a_json_error_gives_the_whole_reason_with_line_and_column(
+    capsys, tmp_path, tiny_tokenizer_file
+) -> None:
+    from kiln.data.pipeline.readers import ReadIssues, iter_records
+
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "a\tb"}\n{"text": "cut')  # no final newline
+    argv = ["data", "tokenize", "--tokenizer", str(tiny_tokenizer_file), str(bad)]
+    code, err = _main([*argv, "--out", str(tmp_path / "d"), "--quiet"], capsys)
+    line = assert_one_clear_line(code, err, f"{bad}:2")
+    assert "(Invalid control character at line 2 column 12)" in line, line
+    # `kiln data run` counts bad lines instead of stopping; its examples say the same.
+    issues = ReadIssues()
+    assert [d is None for d in iter_records(str(bad), "jsonl", issues=issues)] == [0, 1, 1]
+    details = [ReadIssues.format_example(ex) for ex in issues.examples]
+    assert details[1].endswith("(Unterminated string starting at line 3 column 10)"), details
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(capsys, tmp_path, tiny_tokenizer_file) -> None:
+    code, err = _main(["data", "inspect", str(tiny_tokenizer_file)], capsys)
+    assert_one_clear_line(code, err, f"{tiny_tokenizer_file}: is a file, expected a dataset")
+    src = tmp_path / "a.txt"
+    src.write_bytes(_text(5))
+    argv = ["data", "tokenize", "--tokenizer", str(tmp_path), str(src), "--quiet"]
+    code, err = _main([*argv, "--out", str(tmp_path / "d")], capsys)
+    assert_one_clear_line(code, err, f"{tmp_path}: is a directory, expected a tokenizer file")
+    code, err = _main(["data", "inspect", str(tmp_path / "nowhere")], capsys)
+    assert_one_clear_line(code, err, "nowhere: no such dataset directory")
+
+
+def test_a_bad_number_names_the_config_file_or_the_flag(
+    capsys, tmp_path, tiny_tokenizer_file
+) -> None:
+    src = tmp_path / "a.txt"
+    src.write_bytes(_text(5))
+    config = tmp_path / "p.toml"
+    config.write_text(
+        f'docs_per_task = -5\n[[sources]]\nname = "s"\npaths = ["{src}"]\n'
+        f'[tokenize]\ntokenizer = "{tiny_tokenizer_file}"\n',
+        encoding="utf-8",
+    )
+    code, err = _main(["data", "run", str(config), "--out", str(tmp_path / "o")], capsys)
+    assert_one_clear_line(code, err, f"{config}: docs_per_task = -5: expected >= 1")
+    argv = ["data", "tokenize", "--tokenizer", str(tiny_tokenizer_file), str(src), "--quiet"]
+    code, err = _main([*argv, "--out", str(tmp_path / "d"), "--val-fraction", "1.5"], capsys)
+    assert_one_clear_line(code, err, "--val-fraction 1.5: expected a fraction in [0, 1)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "p.toml"]

@@ -143,7 +143,7 @@ def test_results_are_not_overwritten_without_force(
     ("extra", "message"),
     [
         (["--tasks", "copa,nope"], "unknown task 'nope'; known tasks: hellaswag, arc_easy,"),
-        ([], "nothing to evaluate: pass --tasks, --val, --bpb or --lm-eval-tasks"),
+        ([], "nothing to evaluate for {MODEL}: pass --tasks, --val, --bpb or --lm-eval-tasks"),
         (["--tasks", "copa", "--limit", "0"], "--limit must be >= 1, got 0"),
         (["--tasks", "piqa", "--data-dir", "/nonexistent"], "/nonexistent/piqa.jsonl: task file"),
         (["--tasks", "copa", "--device", "tpu"], "device must be cpu, cuda, cuda:N or auto"),
@@ -154,7 +154,19 @@ def test_bad_arguments_are_one_line_errors(
 ) -> None:
     code, _, err = run(capsys, "eval", str(hf_dir), *extra, "--no-progress")
     assert code == 2
+    message = message.replace("{MODEL}", str(hf_dir))
     assert err.startswith("kiln: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_file_given_as_the_model_with_no_task_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("a text file a user meant to score\n")
+    code, _, err = run(capsys, "eval", str(text))
+    assert code == 2 and err.count("\n") == 1
+    assert f"nothing to evaluate for {text}:" in err
+    assert f"{text} is a file, and MODEL is a model folder" in err and "--bpb FILE" in err
 
 
 def test_a_directory_that_is_no_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

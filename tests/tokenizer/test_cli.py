@@ -307,3 +307,17 @@ def test_console_error_is_one_line(gpt2_spec) -> None:
     assert result.returncode == 2 and result.stdout == ""
     errors = result.stderr.splitlines()
     assert len(errors) == 1 and errors[0].startswith("kiln: error: text contains")
+
+
+def test_an_error_while_counting_starts_on_its_own_line_after_the_progress_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    good = "".join(json.dumps({"text": f"hello world number {i} " * 5}) + "\n" for i in range(2000))
+    corpus.write_text(good + '{"text": broken\n')
+    argv = ["tokenizer", "train", str(corpus), "--vocab-size", "300", "-o", str(tmp_path / "t")]
+    assert kiln.cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "count pre-tokens" in err  # the bar was drawn
+    assert f"\nkiln: error: {corpus}:2001: invalid JSON" in err, err
+    assert err.rstrip("\n").splitlines()[-1].startswith("kiln: error: "), err

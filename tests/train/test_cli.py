@@ -108,3 +108,54 @@ def test_non_finite_float_in_the_config_is_one_clear_line(
     assert err == [f"kiln: error: {config}: optim.{key} = {text}: expected a finite number"]
     assert main(["train", str(CONFIGS / "tiny.toml"), "--set", f"optim.{key}={text}"]) == 2
     assert f"optim.{key} = {text}: expected a finite number" in capsys.readouterr().err
+
+
+def test_the_continue_hint_after_a_signal_repeats_the_torchrun_launch() -> None:
+    """Stopped by SIGTERM under torchrun, the printed hint must relaunch with torchrun too (a
+    bare `kiln train --resume` would resume on one process)."""
+    from kiln.train.cli import continue_command
+
+    argv = ["my.toml", "--set", "optim.lr=1e-3", "--resume"]
+    assert continue_command("train", argv, env={}) == ["kiln", "train", *argv]
+    single_node = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "8"}
+    assert continue_command("train", argv, env=single_node) == [
+        "torchrun", "--nproc-per-node", "8", "-m", "kiln.cli", "train", *argv,
+    ]  # fmt: skip
+    four_nodes = {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "32"}
+    assert continue_command("sft", argv, env=four_nodes)[:6] == [
+        "torchrun", "--nproc-per-node", "8", "--nnodes", "4", "-m",
+    ]  # fmt: skip
+
+
+def test_a_run_that_stops_on_a_corrupt_shard_leaves_no_folder_behind(
+    tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out-of-vocabulary ids found while training (verification off): the run folder the start
+    made (a .lock and config.toml, nothing of the run) goes; a folder that was there stays."""
+    import shutil
+
+    from kiln.data.shard_format import HEADER_BYTES
+
+    dataset = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, dataset)
+    shard = dataset / "train_000000.bin"
+    data = bytearray(shard.read_bytes())
+    data[HEADER_BYTES:] = b"\xff" * (len(data) - HEADER_BYTES)  # every id 65535
+    shard.write_bytes(bytes(data))
+    monkeypatch.setenv("KILN_VERIFY_SHARDS", "0")
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        str(CONFIGS / "tiny.toml"),
+        "--no-progress",
+        "--set",
+        f"data.dataset={dataset}",
+    ]
+    argv += ["--set", f"logging.run_dir={run}", "--set", "eval.batches=0"]
+    argv += ["--set", "eval.sample_tokens=0", "--set", "train.max_steps=2"]
+    assert main(argv) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    assert main(argv) == 2
+    assert (run / "notes.txt").read_text() == "mine"

@@ -248,3 +248,24 @@ os.write(fd, f"{os.getpid()}\\n".encode())
 print("locked", flush=True)
 time.sleep(60)
 """
+
+
+def test_a_kill_before_the_first_latest_is_written_still_resumes(
+    tiny_dataset: Path, make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Killed after step_2 is renamed into place, before the first `latest`: a complete step_2,
+    no pointer. A fresh start must point at --resume, and --resume must continue from step_2."""
+    run = tmp_path / "run"
+    assert _kiln_train(tiny_dataset, run, "save:after-rename@1") == -signal.SIGKILL
+    checkpoints = run / "checkpoints"
+    assert _visible(checkpoints) == [2]
+    assert not (checkpoints / ckpt.LATEST).exists()
+
+    with pytest.raises(KilnError, match="pass --resume"):
+        Trainer(make_config(*BASE), run)
+    trainer = Trainer(make_config(*BASE), run, resume=True)
+    assert trainer.step == 2
+    assert ckpt.latest_checkpoint(checkpoints) == checkpoints / "step_2"
+    assert any("now names step_2" in note for note in trainer.notes)
+    assert _hidden(checkpoints) == []
+    assert trainer.run().step == 6

@@ -35,7 +35,7 @@ import numpy as np
 from kiln.config import ConfigError
 from kiln.data.pipeline.document import Document
 from kiln.data.pipeline.minhash import hash_word_ngrams, normalized_word_spans
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason
 from kiln.io import open_binary, strip_compression
 
 _SPLIT_SUFFIXES = ("_val", "_validation", "_dev", "_test")
@@ -116,7 +116,9 @@ def _jsonl_texts(path: str, lines: list[str]) -> Iterator[list[str]]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise KilnError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+            raise KilnError(
+                f"{path}:{number}: not a JSON object ({json_error_reason(exc, number)})"
+            ) from None
         if not isinstance(item, dict):
             raise KilnError(f"{path}:{number}: expected a JSON object, got {type(item).__name__}")
         yield _item_texts(path, number, item)

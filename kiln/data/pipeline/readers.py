@@ -26,7 +26,7 @@ from typing import IO, Any
 from kiln.data.documents import iter_raw_text_documents, iter_text_documents
 from kiln.data.pipeline import warc
 from kiln.data.pipeline.document import Document
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason
 from kiln.io import COMPRESSED_SUFFIXES, open_binary, strip_compression
 from kiln.tokenizer.special import EOT
 
@@ -303,7 +303,7 @@ def _json_document(
     except UnicodeDecodeError:
         record = _loads_repaired(path, raw, line, ordinal, issues)
     except (ValueError, RecursionError) as exc:
-        issues.add(path, line, "invalid JSON", _json_error(exc), record=ordinal)
+        issues.add(path, line, "invalid JSON", _json_error(exc, line), record=ordinal)
         return None
     if record is None:
         return None
@@ -324,13 +324,13 @@ def _loads_repaired(path: str, raw: bytes, line: int, ordinal: int, issues: Read
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        issues.add(path, line, "invalid JSON", _json_error(exc), record=ordinal)
+        issues.add(path, line, "invalid JSON", _json_error(exc, line), record=ordinal)
         return None
 
 
-def _json_error(exc: BaseException) -> str:
+def _json_error(exc: BaseException, line: int) -> str:
     if isinstance(exc, json.JSONDecodeError):
-        return f"{exc.msg} at column {exc.colno}"
+        return json_error_reason(exc, line)
     return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 

@@ -299,7 +299,12 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     work.mkdir(parents=True, exist_ok=True)
     executor = make_executor(opts.executor, opts.workers, opts.address, opts.progress)
     try:
-        tasks = _plan(cfg, work, executor, opts.progress)
+        try:
+            tasks = _plan(cfg, work, executor, opts.progress)
+        except Exception:
+            if not (work / PLAN_FILE).is_file():  # e.g. a corrupt input: no work done to keep
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         _run_missing(executor, run_filter_task, tasks, "filter", [t.stop - t.start for t in tasks])
         filter_stats = [_load_stats(t.dir) for t in tasks]
         global_dir = work / "global"

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, json_error_reason, not_found
 from kiln.tokenizer.patterns import SplitPattern
 from kiln.tokenizer.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ def read_text(path: PathLike) -> str:
     """A UTF-8 file's text; a missing or non-UTF-8 file is a KilnError naming it."""
     name = os.fspath(path)
     if not os.path.isfile(name):
-        raise KilnError(f"{name}: no such file")
+        raise not_found(name, "file")
     try:
         return Path(name).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -45,9 +45,7 @@ def load_json(path: PathLike) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except json.JSONDecodeError as exc:
-        raise KilnError(
-            f"{os.fspath(path)}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
+        raise KilnError(f"{os.fspath(path)}: not valid JSON ({json_error_reason(exc)})") from None
     except _DuplicateKey as exc:
         raise KilnError(
             f"{os.fspath(path)}: key {exc.args[0]!r} appears twice in one JSON object "
