@@ -312,10 +312,31 @@ def _print_sample(ds: Any, args: argparse.Namespace) -> None:
             )
     tokens = split.document(args.doc)
     split.check_ids(tokens, split.document_start(args.doc), ds.vocab_size)
-    text = read_any(tok_path).decode(tokens.tolist())
+    text, marked = render_special_tokens(read_any(tok_path), tokens.tolist())
     shown = text if len(text) <= args.max_chars else text[: args.max_chars] + "…"
     print(
         f"sample: {args.split} document {args.doc} ({len(tokens)} tokens, from "
         f"{split.document_source(args.doc)}):"
     )
     print(shown)
+    if marked:
+        print(f"({SPECIAL_MARK[0]}…{SPECIAL_MARK[1]} marks a real special token; the same text "
+              "without the marks is ordinary text inside the document)")  # fmt: skip
+
+
+SPECIAL_MARK = ("⟦", "⟧")
+
+
+def render_special_tokens(tokenizer: Any, ids: list[int]) -> tuple[str, bool]:
+    """The decoded text with each real special token shown as ⟦token⟧; and whether any was."""
+    by_id = {i: s for s, i in tokenizer.special_tokens.items()}
+    pieces: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if i in by_id:
+            pieces += [tokenizer.decode(run), f"{SPECIAL_MARK[0]}{by_id[i]}{SPECIAL_MARK[1]}"]
+            run = []
+        else:
+            run.append(i)
+    pieces.append(tokenizer.decode(run))
+    return "".join(pieces), len(pieces) > 1

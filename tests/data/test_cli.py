@@ -84,3 +84,22 @@ def test_inspect_without_the_tokenizer_still_summarises(
     assert "pass --tokenizer" in capsys.readouterr().out
     assert kiln_main(["data", "inspect", str(out), "--tokenizer", str(tiny_tokenizer_file)]) == 0
     assert "sample: train document 0" in capsys.readouterr().out
+
+
+def test_inspect_marks_real_special_tokens_apart_from_the_same_text(
+    kiln_main, capsys, tmp_path, tiny_tokenizer_file
+) -> None:
+    corpus = tmp_path / "inline.txt"
+    corpus.write_text(
+        "a story that says <|endoftext|> inside a line\n<|endoftext|>\nanother story\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "ds"
+    argv = ["data", "tokenize", "--tokenizer", str(tiny_tokenizer_file), str(corpus)]
+    assert kiln_main([*argv, "--out", str(out), "--val-docs", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    assert kiln_main(["data", "inspect", str(out), "--doc", "0"]) == 0
+    shown = capsys.readouterr().out
+    assert "says <|endoftext|> inside" in shown  # the text, unmarked
+    assert "⟦<|endoftext|>⟧" in shown  # the document's real end-of-text token, marked
+    assert "marks a real special token" in shown
