@@ -58,3 +58,32 @@ def command_group(sub: argparse._SubParsersAction, name: str) -> argparse._SubPa
     if not actions:
         raise ValueError(f"kiln {name} is not a command group (register it first)")
     return actions[0]
+
+
+# The options several commands share, defined here once so their names, values and help agree.
+MODEL_TOKENIZER_HELP = (
+    "kiln tokenizer.json, HF tokenizer.json, or a directory with GPT-2's vocab.json + merges.txt"
+)
+TOKENIZER_FILE_HELP = (
+    "a kiln tokenizer.json, an HF tokenizer.json, or gpt2:VOCAB_JSON:MERGES_TXT for GPT-2's files"
+)
+
+
+def add_tokenizer_option(
+    p: argparse.ArgumentParser, *, default: str | None = "the model's own", help_text: str = ""
+) -> None:
+    """`--tokenizer PATH`: optional with `default` named in the help, required when None."""
+    text = help_text or (MODEL_TOKENIZER_HELP if default else TOKENIZER_FILE_HELP)
+    suffix = f" (default: {default})" if default else ""
+    p.add_argument("--tokenizer", metavar="TOK", required=default is None, help=text + suffix)
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype` for a command that runs a model."""
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, fp32 or bf16: the autocast precision (default auto: bf16 where the device "
+        "multiplies it natively)",
+    )

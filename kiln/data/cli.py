@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kiln.commands import add_command_group, add_subcommand
+from kiln.commands import add_command_group, add_subcommand, add_tokenizer_option
 from kiln.data.procs import sigterm_as_interrupt
 from kiln.errors import KilnError
 from kiln.tokenizer.special import EOT
@@ -120,7 +120,11 @@ def _add_tokenize(commands: Any) -> None:
         help=".txt files (a document ends at a line holding only the end-of-text token; the "
         "token inside a line is text) or .jsonl files, maybe .gz/.zst/.bz2",
     )
-    p.add_argument("--tokenizer", required=True, metavar="TOK.json", help="kiln tokenizer file")
+    add_tokenizer_option(
+        p,
+        default=None,
+        help_text="a kiln or HF tokenizer.json, or GPT-2's vocab.json (merges.txt beside it)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
     val = p.add_mutually_exclusive_group()
     val.add_argument("--val-docs", type=int, metavar="N", help="exactly N val documents")
@@ -205,8 +209,8 @@ def _add_inspect(commands: Any) -> None:
         _EXAMPLES["inspect"],
     )
     p.add_argument("directory", metavar="DIR", help="a dataset made by `kiln data tokenize`")
-    p.add_argument(
-        "--tokenizer", metavar="TOK.json", help="tokenizer to decode with (default: the manifest's)"
+    add_tokenizer_option(
+        p, default="the one the manifest names", help_text="tokenizer to decode with"
     )
     p.add_argument("--split", default="train", help="split of the sample document (default train)")
     p.add_argument(

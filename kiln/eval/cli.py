@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.commands import add_device_options, add_tokenizer_option
 from kiln.errors import KilnError
 from kiln.quant import options as quantize
 
@@ -95,12 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--chat-temperature", type=float, default=0.0, help="reply temperature (default 0: greedy)"
     )
     p.add_argument("--chat-seed", type=int, help="sampler seed when --chat-temperature > 0")
-    p.add_argument("--tokenizer", help="tokenizer file (default: the model's own)")
+    add_tokenizer_option(p)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
-    p.add_argument(
-        "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
-    )
+    add_device_options(p)
     quantize.add_quantize_options(p)
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")

@@ -7,7 +7,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kiln.commands import add_command_group, add_subcommand, command_group
+from kiln.commands import (
+    add_command_group,
+    add_device_options,
+    add_subcommand,
+    add_tokenizer_option,
+    command_group,
+)
 
 MODEL_HELP = "a kiln demo, run, train/, checkpoints/, checkpoint (step_N) or HF model folder"
 
@@ -62,7 +68,7 @@ def _add_chat_tokens_command(commands: Any) -> None:
     )
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("out", metavar="OUT", help="the new run folder to write")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer file (default: the model's own)")
+    add_tokenizer_option(p)
     p.add_argument("--force", action="store_true", help="replace an OUT this command wrote before")
     p.set_defaults(handler=run_add_chat_tokens)
 
@@ -121,15 +127,14 @@ def run_data_chat(args: argparse.Namespace) -> int:
 def _add_chat_command(sub: Any) -> None:
     p = add_subcommand(sub, "chat", "chat with a chat model in the terminal", CHAT_EXAMPLES)
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer file (default: the model's own)")
+    add_tokenizer_option(p)
     p.add_argument("--system", metavar="TEXT", help="a system message to start with")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--max-tokens", type=int, default=256, help="longest reply (default 256)")
     p.add_argument("--seed", type=int, help="seed the sampler (replies then repeat exactly)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto, fp32 or bf16 (default auto)")
+    add_device_options(p)
     p.set_defaults(handler=run_chat_command)
 
 

@@ -16,6 +16,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+from kiln.commands import add_device_options, add_tokenizer_option
 from kiln.errors import KilnError
 from kiln.quant import options as quantize
 
@@ -67,11 +68,7 @@ def register_sample(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="encode special-token text in --prompt as the control tokens it names",
     )
-    p.add_argument(
-        "--tokenizer",
-        help="kiln tokenizer.json, HF tokenizer.json, or a directory with GPT-2's vocab.json + "
-        "merges.txt (default: the model's own)",
-    )
+    add_tokenizer_option(p)
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
@@ -84,10 +81,7 @@ def register_sample(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="token id that ends the sample (repeatable; default: the model's end-of-text id)",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
-    p.add_argument(
-        "--dtype", default="auto", help="auto, fp32 or bf16 (default auto: bf16 where native)"
-    )
+    add_device_options(p)
     quantize.add_quantize_options(p)
     p.set_defaults(handler=run_sample)
 
@@ -265,9 +259,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         help=f"key clients must send (default: ${API_KEY_ENV}; required off loopback)",
     )  # fmt: skip
     p.add_argument("--model-name", help="the model id clients name (default: MODEL's folder name)")
-    p.add_argument("--tokenizer", help="tokenizer file or folder (default: the model's own)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto, fp32 or bf16 (default auto)")
+    add_tokenizer_option(p)
+    add_device_options(p)
     p.add_argument(
         "--cors-origin", action="append", default=[], metavar="ORIGIN",
         help="allow browser pages from ORIGIN to call the API (repeatable; default: none)",

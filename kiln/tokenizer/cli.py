@@ -10,16 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.chat.tokens import CHAT_TOKENS
-from kiln.commands import add_command_group, add_subcommand
+from kiln.commands import add_command_group, add_subcommand, add_tokenizer_option
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
 from kiln.tokenizer.special import EOT
 
 DEFAULT_SPECIAL = EOT
 
-_TOKENIZER_HELP = (
-    "a kiln tokenizer.json, an HF tokenizer.json, or gpt2:VOCAB_JSON:MERGES_TXT for GPT-2's files"
-)
 
 _EXAMPLES = {
     "train": """examples:
@@ -161,7 +158,7 @@ def run_train(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- encode / decode
 def _add_encode(commands: Any) -> None:
     p = add_subcommand(commands, "encode", "encode text to token ids", _EXAMPLES["encode"])
-    p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
+    add_tokenizer_option(p, default=None)
     p.add_argument("text", nargs="?", metavar="TEXT", help="text to encode (default: stdin)")
     p.add_argument("-f", "--file", help="encode this file's content instead")
     p.add_argument(
@@ -195,7 +192,7 @@ def run_encode(args: argparse.Namespace) -> int:
 
 def _add_decode(commands: Any) -> None:
     p = add_subcommand(commands, "decode", "decode token ids to text", _EXAMPLES["decode"])
-    p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
+    add_tokenizer_option(p, default=None)
     p.add_argument("ids", nargs="*", metavar="ID", help="token ids (default: read from stdin)")
     p.set_defaults(handler=run_decode)
 
@@ -229,7 +226,7 @@ def _add_inspect(commands: Any) -> None:
         "show how text splits into tokens, compression, longest",
         _EXAMPLES["inspect"],
     )
-    p.add_argument("--tokenizer", required=True, metavar="TOK", help=_TOKENIZER_HELP)
+    add_tokenizer_option(p, default=None)
     p.add_argument("text", nargs="?", metavar="TEXT", help="text to inspect")
     p.add_argument("-f", "--file", action="append", default=[], help="a file to inspect (repeat)")
     p.add_argument("--html", metavar="OUT", help="also write an HTML view to OUT")
