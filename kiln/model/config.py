@@ -504,9 +504,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see `PRESETS`), with optional field overrides."""
-        if name.startswith("depth-"):  # the depth-derived family (kiln/model/depth.py)
-            from kiln.model.depth import depth_preset
-
+        if name.startswith("depth-"):
             return cls.from_dict({**depth_preset(name), **overrides})
         if name not in PRESETS:
             raise ModelConfigError(
@@ -557,3 +555,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "mla": {"kv_rank": 128, "rope_dim": 32}},
 }  # fmt: skip
 # "llama-1b" is Llama-3.2-1B's shape (1,235,814,400 parameters), so HF checkpoints map onto it.
+
+
+# ---- the depth-derived family: one knob (`depth-N`) sets depth, width and heads ----------------
+# nanochat's idea: instead of editing n_layer, n_embd, n_head (and the learning rates) together,
+# derive them from the depth at a fixed aspect ratio. `depth-N-mup` adds µP relative to depth 4,
+# so learning rates tuned there carry to any depth-N (kiln/train/mup.py derives each group's).
+
+DEPTH_ASPECT = 64  # n_embd per layer in the depth family (nanochat's aspect ratio)
+DEPTH_HEAD_DIM = 64
+DEPTH_MUP_BASE = 4  # depth-N-mup: µP relative to depth 4's width (256)
+
+
+def depth_preset(name: str) -> dict[str, Any]:
+    """The config fields of `depth-N` (or `depth-N-mup`): N layers, width 64·N, heads of 64."""
+    body = name.removeprefix("depth-").removesuffix("-mup")
+    _require(
+        body.isdigit() and int(body) >= 1,
+        f"depth preset must be depth-N or depth-N-mup with N >= 1, got {name!r}",
+    )
+    depth = int(body)
+    width = DEPTH_ASPECT * depth
+    out = {**_LLAMA, "n_layer": depth, "n_embd": width, "n_head": width // DEPTH_HEAD_DIM}
+    if name.endswith("-mup"):
+        out["mup_base_width"] = DEPTH_ASPECT * DEPTH_MUP_BASE
+    return out
