@@ -1,13 +1,15 @@
 """Parameter, FLOP and memory accounting of a ModelConfig, without building the model.
 
-Conventions (the same as `ModelConfig.flops_per_token`, which this module builds on rather than
-repeating):
+The one place these are counted: `ModelConfig.num_params`, `.param_breakdown` and
+`.flops_per_token` call the functions here, `Transformer` checks the count against the module at
+start-up, the trainer's MFU divides by `flops_per_token`, and the memory pre-flight and
+`kiln scaling account` / `plan` build on the memory estimate. Conventions:
 
 - A multiply-add is 2 FLOPs. Only matrix multiplies are counted (linear layers, the head, and
   attention's two T-dependent products q·kᵀ and p·v); norms, activations, softmax and RoPE are
   elementwise and left out, as in Kaplan et al. (2020) and the PaLM MFU convention.
 - Attention is counted over the full T×T score matrix ("non-causal"): 2·2·L·H·head_dim·T
-  forward FLOPs per token. That is what `ModelConfig.flops_per_token` and kiln's MFU use, so
+  forward FLOPs per token. That is what `flops_per_token` and kiln's MFU use, so
   figures compare with nanoGPT and PaLM. `causal=True` counts only the keys a query sees,
   (T+1)/2 on average (fewer under a sliding window): the work a causal kernel actually does.
 - Backward = 2 × forward (gradients with respect to the inputs and the weights).
@@ -16,27 +18,128 @@ repeating):
 
 Memory follows the usual breakdown (ZeRO, Rajbhandari et al. 2020): weights, gradients,
 optimizer state, an fp32 master copy when the weights are kept in 16 bits, and activations as
-in Korthikanti et al. (2022), re-derived for kiln's block (see `activation_elements`).
+in Korthikanti et al. (2022), re-derived for kiln's block (see `layer_activation_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
-from kiln.model.config import ModelConfig
+
+if TYPE_CHECKING:  # config.py calls into this module, so the type is only named here
+    from kiln.model.config import ModelConfig
 
 # ---- parameters --------------------------------------------------------------------------------
-# The per-component count is `ModelConfig.param_breakdown` (kiln.model, below this layer), and
-# `ModelConfig.num_params` is its sum: one definition, checked against the module at start-up.
+
+PARAM_COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
+
+
+def param_breakdown(cfg: ModelConfig, active: bool = False) -> dict[str, int]:
+    """Parameters of the module by component (PARAM_COMPONENTS); a tied head counts 0.
+
+    The one parameter count: `num_params` is its sum, `kiln scaling account` prints it, and
+    `Transformer` checks it against the instantiated module. With `active`, a MoE layer
+    counts only the top_k routed experts a token uses (plus router and shared experts).
+    """
+    d, L = cfg.n_embd, cfg.n_layer
+    norm_scale = (2 if cfg.norm == "layernorm" and cfg.bias else 1) * cfg.norm_scale
+    qk_norms = 2 * norm_scale * cfg.head_size if cfg.qk_norm else 0
+    norms = cfg.norms_per_block * norm_scale * d + qk_norms
+    final_norm = 0 if cfg.norm_placement == "post" else norm_scale * d  # post: blocks end normed
+    if cfg.mla is not None:  # the latent RMSNorms (weight only)
+        norms += cfg.mla.kv_rank + (cfg.mla.q_rank or 0)
+    sinks = cfg.n_head if cfg.attn_sinks else 0
+    return {
+        "embeddings": cfg.padded_vocab_size * d
+        + (cfg.block_size * d if cfg.pos_emb == "learned" else 0),
+        "attention": L * (attention_params(cfg, cfg.bias) + sinks),
+        "mlp": sum(layer_mlp_params(cfg, i, cfg.bias, active) for i in range(L)),
+        "norms": L * norms + final_norm,  # every block's norms (+ q/k norms), the final one
+        "head": 0 if cfg.tie_embeddings else cfg.padded_vocab_size * d,
+    }
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameters of the module (a tied head counted once; padded vocab rows included)."""
+    return sum(param_breakdown(cfg).values())
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: `num_params` less the routed experts it is not sent to."""
+    return sum(param_breakdown(cfg, active=True).values())
+
+
+def num_matmul_params(cfg: ModelConfig) -> int:
+    """Weights used in a matrix multiply per token: every block's linear layers and the head.
+
+    For MoE layers these are the active ones: router, top_k routed experts, shared experts.
+    """
+    layers = sum(
+        attention_params(cfg, bias=False) + layer_mlp_params(cfg, i, False, active=True)
+        for i in range(cfg.n_layer)
+    )
+    return layers + cfg.padded_vocab_size * cfg.n_embd
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
     """Parameters outside the token and position embeddings (Kaplan et al.'s N)."""
-    return cfg.num_params() - cfg.param_breakdown()["embeddings"]
+    return num_params(cfg) - param_breakdown(cfg)["embeddings"]
+
+
+def attention_params(cfg: ModelConfig, bias: bool) -> int:
+    """One block's QKV and output projections (with their biases if `bias`)."""
+    if cfg.mla is not None:
+        return mla_params(cfg, bias)
+    d, q_out, kv_out = cfg.n_embd, cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
+    weights = d * (q_out + 2 * kv_out) + q_out * d
+    return weights + (q_out + 2 * kv_out + d if bias else 0)
+
+
+def mla_params(cfg: ModelConfig, bias: bool) -> int:
+    """One MLA block's projections; biases (as DeepSeek's) on the down-projections and output."""
+    assert cfg.mla is not None
+    d, H, m = cfg.n_embd, cfg.n_head, cfg.mla
+    qk, v, nope = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_head_dim - m.rope_dim
+    if m.q_rank is None:
+        q = d * H * qk
+    else:
+        q = d * m.q_rank + m.q_rank * H * qk + (m.q_rank if bias else 0)
+    kv = d * (m.kv_rank + m.rope_dim) + m.kv_rank * H * (nope + v)
+    out = H * v * d
+    return q + kv + out + ((m.kv_rank + m.rope_dim + d) if bias else 0)
+
+
+def mlp_params(cfg: ModelConfig, bias: bool, ff: int | None = None) -> int:
+    """One block's MLP: fused gate+up (SwiGLU) or fc, then proj (with their biases if `bias`)."""
+    d, ff = cfg.n_embd, ff or cfg.ff_size
+    n_in = 2 if cfg.gated else 1
+    return (n_in + 1) * d * ff + (n_in * ff + d if bias else 0)
+
+
+def layer_mlp_params(cfg: ModelConfig, layer: int, bias: bool, active: bool = False) -> int:
+    """One layer's MLP: dense, or router + routed experts (all, or top_k) + shared experts."""
+    if cfg.moe is None or not cfg.is_moe_layer(layer):
+        return mlp_params(cfg, bias)
+    m, d, fe = cfg.moe, cfg.n_embd, cfg.expert_size
+    expert = (3 if cfg.gated else 2) * d * fe  # experts have no biases
+    shared = mlp_params(cfg, bias, m.n_shared * fe) if m.n_shared else 0
+    return d * m.n_experts + (m.top_k if active else m.n_experts) * expert + shared
 
 
 # ---- FLOPs -------------------------------------------------------------------------------------
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6·N_matmul + 6·L·H·(d_qk + d_v)·T.
+
+    N_matmul counts active weights only (MoE). The attention term counts the full T×T score
+    matrix (the PaLM / nanoGPT convention, no causal or window discount), so MFU figures
+    compare across implementations; with d_qk = d_v = head_dim it is 12·L·H·head_dim·T.
+    """
+    attn = 6 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+    return 6 * num_matmul_params(cfg) + attn
 
 
 @dataclass(frozen=True)
@@ -80,14 +183,12 @@ def mean_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
 
 
 def flop_count(cfg: ModelConfig, seq_len: int, causal: bool = False) -> FlopCount:
-    """FLOPs per token; with causal=False, `total` equals `cfg.flops_per_token(seq_len)`."""
+    """FLOPs per token; with causal=False, `total` equals `flops_per_token(cfg, seq_len)`."""
     if seq_len < 1:
         raise KilnError(f"seq_len must be >= 1, got {seq_len}")
     keys = mean_keys_per_query(cfg, seq_len, causal)
     attn = 2 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * keys
-    return FlopCount(
-        seq_len, causal, 2 * cfg.num_matmul_params(), attn, 6 * cfg.num_active_params()
-    )
+    return FlopCount(seq_len, causal, 2 * num_matmul_params(cfg), attn, 6 * num_active_params(cfg))
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -135,10 +236,10 @@ def optimizer_state_bytes(cfg: ModelConfig, optimizer: str = "adamw") -> int:
         raise KilnError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if optimizer == "sgd":
         return 0
-    n, tensors = cfg.num_params(), param_tensor_count(cfg)
+    n, tensors = num_params(cfg), param_tensor_count(cfg)
     if optimizer == "adamw":
         return 8 * n + 4 * tensors
-    hidden = cfg.num_matmul_params() - cfg.padded_vocab_size * cfg.n_embd
+    hidden = num_matmul_params(cfg) - cfg.padded_vocab_size * cfg.n_embd
     hidden_tensors = cfg.n_layer * _linears_per_layer(cfg)  # qkv, attn proj, mlp fc, mlp proj
     return 4 * hidden + 8 * (n - hidden) + 4 * (tensors - hidden_tensors)
 
@@ -229,7 +330,7 @@ def activation_bytes(
     fixed += 8 * seq_len if cfg.pos_emb == "learned" else 0  # position ids, shared by the batch
     if precision == "amp-bf16":
         head_matmul = cfg.padded_vocab_size * cfg.n_embd
-        fixed += 2 * (cfg.num_matmul_params() - head_matmul)
+        fixed += 2 * (num_matmul_params(cfg) - head_matmul)
         if cfg.pos_emb == "rope":  # cos and sin cast for q and for k, in every layer
             fixed += cfg.n_layer * 4 * seq_len * cfg.head_size * 2
     return tokens * (kept + outside) + fixed
@@ -247,7 +348,7 @@ def memory_estimate(
     if precision not in PRECISION_BYTES:
         raise KilnError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {precision!r}")
     w, g, master = PRECISION_BYTES[precision]
-    n = cfg.num_params()
+    n = num_params(cfg)
     return MemoryEstimate(
         weights=w * n,
         gradients=g * n,

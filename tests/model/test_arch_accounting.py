@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from kiln.model import ModelConfig, Transformer
+from kiln.model.accounting import flop_count
 from kiln.model.kv_cache import KVCache
-from kiln.scaling.accounting import flop_count
-from tests.scaling.test_accounting import measured_breakdown
+from tests.fixtures import single_torch_thread
+from tests.model.test_accounting import measured_breakdown
+
+_one_thread = pytest.fixture(autouse=True)(single_torch_thread)  # as under tests/scaling/
 
 MOE = {"n_experts": 6, "top_k": 2, "d_expert": 24}
 VARIANTS = {
