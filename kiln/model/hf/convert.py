@@ -1,11 +1,9 @@
-"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM to and from kiln's Transformer
-(and Mixtral, Qwen3-MoE and DeepSeek-V3, whose extra fields and tensors are in hf_families.py).
+"""Hugging Face interop: kiln's Transformer to and from HF directories and `transformers` models.
 
 Directories are read and written without `transformers` (config.json + safetensors), so a kiln
-install can load HF checkpoints; `from_hf` / `to_hf` convert live `transformers` objects. kiln
-fuses Q, K, V (and SwiGLU's gate and up) into one matrix, so conversion concatenates or splits
-them; HF GPT-2 stores its linear weights transposed (Conv1D). Both use the same split-half RoPE
-layout, so no permutation is needed.
+install can load HF checkpoints; `from_hf` / `to_hf` convert live `transformers` objects. The
+config and the weights go to the module of their family: gpt2.py, llama.py (and moe_mla.py for
+Mixtral, Qwen3-MoE and DeepSeek-V3), neox_gemma.py (GPT-NeoX, Gemma 2).
 """
 
 from __future__ import annotations
@@ -19,16 +17,23 @@ import torch
 from torch import Tensor
 
 from kiln.errors import KilnError
-from kiln.model.config import ModelConfig, RopeScaling
-from kiln.model.hf_families import (
-    FAMILIES,
-    family_config_to_hf,
-    family_fields_from_hf,
-    family_of,
-    layer_from_hf,
-    layer_to_hf,
+from kiln.model.config import ModelConfig
+from kiln.model.hf.gpt2 import (
+    gpt2_config_from_hf,
+    gpt2_config_to_hf,
+    gpt2_state_from_hf,
+    gpt2_state_to_hf,
+    is_gpt2,
 )
-from kiln.model.hf_neox_gemma import (
+from kiln.model.hf.llama import (
+    is_llama,
+    llama_config_from_hf,
+    llama_config_to_hf,
+    llama_state_from_hf,
+    llama_state_to_hf,
+)
+from kiln.model.hf.moe_mla import FAMILIES, family_fields_from_hf, family_of
+from kiln.model.hf.neox_gemma import (
     SWITCH_FAMILIES,
     switch_config_from_hf,
     switch_config_to_hf,
@@ -36,6 +41,7 @@ from kiln.model.hf_neox_gemma import (
     switch_state_from_hf,
     switch_state_to_hf,
 )
+from kiln.model.hf.tensors import read_weights, take
 from kiln.model.transformer import Transformer
 
 # kiln fields with no HF counterpart. The whole kiln config is kept in config.json under "kiln"
@@ -50,7 +56,7 @@ def from_hf(hf_model: Any) -> Transformer:
 
 
 def to_hf(model: Transformer) -> Any:
-    """The equivalent `transformers` model (GPT2LMHeadModel or LlamaForCausalLM), same weights."""
+    """The equivalent `transformers` model (GPT2LMHeadModel, LlamaForCausalLM, ...), same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = config_to_hf(model.cfg)
@@ -77,7 +83,7 @@ def load_hf_dir(path: str | Path, device: torch.device | str = "cpu") -> Transfo
         raise KilnError(f"{config_file}: not a JSON model config ({exc})") from None
     if not isinstance(hf_config, dict):
         raise KilnError(f"{config_file}: expected a JSON object, got {type(hf_config).__name__}")
-    return _build(config_from_hf(hf_config), _read_weights(path), device, _interleaved(hf_config))
+    return _build(config_from_hf(hf_config), read_weights(path), device, _interleaved(hf_config))
 
 
 def save_hf_dir(model: Transformer, path: str | Path, eos_token_id: int | None = None) -> None:
@@ -98,18 +104,18 @@ def save_hf_dir(model: Transformer, path: str | Path, eos_token_id: int | None =
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The kiln config of an HF config dict (model_type "gpt2" or "llama")."""
+    """The kiln config of an HF config dict of a supported model_type."""
     model_type = hf.get("model_type")
     if model_type == "gpt2":
-        cfg = _gpt2_config(hf)
+        cfg = gpt2_config_from_hf(hf)
     elif model_type == "llama":
-        cfg = _llama_config(hf)
-    elif model_type in FAMILIES:  # Llama plus experts / latent attention (hf_families.py)
-        cfg = _llama_config(hf)
+        cfg = llama_config_from_hf(hf)
+    elif model_type in FAMILIES:  # Llama plus experts / latent attention (moe_mla.py)
+        cfg = llama_config_from_hf(hf)
         if cfg.bias:
             raise KilnError(f"HF {model_type} with attention_bias is not supported")
         cfg = dataclasses.replace(cfg, **family_fields_from_hf(hf, model_type))
-    elif model_type in SWITCH_FAMILIES:  # GPT-NeoX, Gemma 2 (hf_neox_gemma.py)
+    elif model_type in SWITCH_FAMILIES:  # GPT-NeoX, Gemma 2 (neox_gemma.py)
         cfg = switch_config_from_hf(hf, model_type)
     else:
         raise KilnError(
@@ -137,131 +143,8 @@ def _hf_fields(cfg: ModelConfig) -> dict[str, Any] | None:
     return fields
 
 
-def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
-    """GPT-2 settings; options kiln does not implement are refused, not silently dropped."""
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise KilnError(f"GPT-2 activation {hf['activation_function']!r}: kiln has tanh-GELU only")
-    for flag, expected in (
-        ("scale_attn_weights", True),
-        ("scale_attn_by_inverse_layer_idx", False),
-    ):
-        if hf.get(flag, expected) != expected:
-            raise KilnError(f"GPT-2 option {flag}={hf[flag]} is not supported")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        block_size=hf["n_positions"],
-        n_layer=hf["n_layer"],
-        n_head=hf["n_head"],
-        n_embd=hf["n_embd"],
-        d_ff=hf.get("n_inner"),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-    )
-
-
-def _llama_config(hf: dict[str, Any]) -> ModelConfig:
-    """Llama settings, from the current (rope_parameters) or the older (rope_theta) layout."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise KilnError(f"Llama activation {hf['hidden_act']!r}: kiln's SwiGLU uses silu")
-    bias = bool(hf.get("attention_bias", False))
-    if bool(hf.get("mlp_bias", False)) != bias:
-        raise KilnError(
-            "Llama with attention_bias != mlp_bias is not supported (kiln has one bias switch)"
-        )
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling, block_size = _rope_scaling_from_hf(rope, hf["max_position_embeddings"])
-    n_head = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        block_size=block_size,
-        n_layer=hf["num_hidden_layers"],
-        n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head,
-        n_embd=hf["hidden_size"],
-        head_dim=None if head_dim * n_head == hf["hidden_size"] else head_dim,
-        mlp="swiglu",
-        d_ff=hf["intermediate_size"],
-        norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        bias=bias,
-        pos_emb="rope",
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-    )
-
-
-def _rope_scaling_from_hf(
-    rope: dict[str, Any], max_positions: int
-) -> tuple[RopeScaling | None, int]:
-    """kiln's RopeScaling and block_size for HF rope parameters (rope_type's HF meaning).
-
-    HF's dynamic NTK treats max_position_embeddings as the original length and has no limit
-    beyond it; kiln's block_size for it is that length times the factor.
-    """
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return None, max_positions
-    if rope_type not in ("linear", "dynamic", "yarn", "llama3"):
-        raise KilnError(
-            f"RoPE type {rope_type!r} is not supported (kiln has default, linear, dynamic, "
-            "yarn and llama3)"
-        )
-    if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("truncate", True) is not True:
-        raise KilnError("RoPE partial_rotary_factor / truncate = false are not supported")
-    factor = float(rope["factor"])
-    fields: dict[str, Any] = {"type": rope_type, "factor": factor}
-    block_size = max_positions
-    if rope_type == "llama3":
-        fields.update(
-            low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
-            original_max_seq_len=rope["original_max_position_embeddings"],
-        )  # fmt: skip
-    elif rope_type == "dynamic":
-        fields["original_max_seq_len"] = max_positions
-        block_size = int(max_positions * max(factor, 1.0))
-    elif rope_type == "yarn":
-        fields["original_max_seq_len"] = rope["original_max_position_embeddings"]
-        for key in ("beta_fast", "beta_slow"):
-            if rope.get(key):
-                fields[key] = float(rope[key])
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if rope.get(key) is not None:
-                fields[key] = float(rope[key])
-    else:  # linear: the original length plays no part
-        fields["original_max_seq_len"] = max_positions
-    return RopeScaling(**fields), block_size
-
-
-def _rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
-    """HF rope_parameters and max_position_embeddings for a kiln config."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    s = cfg.rope_scaling
-    if s is None:
-        return rope, cfg.block_size
-    rope.update(rope_type=s.type, factor=s.factor)
-    if s.type == "llama3":
-        rope.update(
-            low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-            original_max_position_embeddings=s.original_max_seq_len,
-        )  # fmt: skip
-    elif s.type == "yarn":
-        rope.update(
-            original_max_position_embeddings=s.original_max_seq_len, beta_fast=s.beta_fast,
-            beta_slow=s.beta_slow,
-        )  # fmt: skip
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(s, key) is not None:
-                rope[key] = getattr(s, key)
-    elif s.type == "dynamic":
-        return rope, s.original_max_seq_len
-    return rope, cfg.block_size
-
-
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """An HF config dict for the family the config belongs to; a clear error if it fits neither."""
+    """An HF config dict for the family the config belongs to; a clear error if it fits none."""
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
         return {**switch_config_to_hf(cfg, switch_family), "kiln": cfg.to_dict()}
     unsupported = [
@@ -284,60 +167,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     ]
     if unsupported:
         raise KilnError(f"no HF GPT-2/Llama equivalent for {', '.join(unsupported)}")
-    kiln_only = cfg.to_dict()
-    gpt2_like = (cfg.pos_emb, cfg.norm, cfg.mlp, cfg.bias) == ("learned", "layernorm", "gelu", True)
-    llama_like = (cfg.pos_emb, cfg.norm, cfg.mlp) == ("rope", "rmsnorm", "swiglu")
-    if (
-        gpt2_like
-        and cfg.kv_heads == cfg.n_head
-        and cfg.head_dim in (None, cfg.n_embd // cfg.n_head)
-    ):
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.block_size,
-            "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head,
-            "n_inner": cfg.ff_size,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": 0.0,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "kiln": kiln_only,
-        }
-    if llama_like:
-        rope, max_positions = _rope_to_hf(cfg)
-        out = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": cfg.vocab_size,
-            "max_position_embeddings": max_positions,
-            "hidden_size": cfg.n_embd,
-            "intermediate_size": cfg.ff_size,
-            "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head,
-            "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta,  # older transformers read these two keys...
-            "rope_scaling": None if cfg.rope_scaling is None else rope,
-            "rope_parameters": rope,  # ...newer ones this
-            "attention_bias": cfg.bias,
-            "mlp_bias": cfg.bias,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "kiln": kiln_only,
-        }
-        family = family_of(cfg)
-        if family is not None:  # Mixtral / Qwen3-MoE / DeepSeek-V3: Llama's fields and these
-            arch = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
-            out.update(model_type=family, architectures=[f"{arch[family]}ForCausalLM"])
-            out.update(family_config_to_hf(cfg, family))
-        return out
+    if is_gpt2(cfg):
+        return {**gpt2_config_to_hf(cfg), "kiln": cfg.to_dict()}
+    if is_llama(cfg):
+        return {**llama_config_to_hf(cfg), "kiln": cfg.to_dict()}
     raise KilnError(
         "config matches neither HF GPT-2 (learned positions, LayerNorm with bias, GELU, "
         "multi-head) nor Llama (RoPE, RMSNorm, SwiGLU)"
@@ -352,60 +185,10 @@ def state_dict_to_hf(model: Transformer) -> dict[str, Tensor]:
     cfg, sd = model.cfg, model.state_dict()
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
         return {k: v.contiguous() for k, v in switch_state_to_hf(cfg, sd, switch_family).items()}
-    V, q_out, kv_out = cfg.vocab_size, cfg.n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
-    out: dict[str, Tensor] = {}
-    if cfg.pos_emb == "learned":  # GPT-2
-        out["transformer.wte.weight"] = sd["wte.weight"][:V]
-        out["transformer.wpe.weight"] = sd["wpe.weight"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = (
-            sd["norm_f.weight"],
-            sd["norm_f.bias"],
-        )
-        for i in range(cfg.n_layer):
-            k, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for kiln_name, hf_name in _GPT2_LAYER:
-                tensor = sd[k + kiln_name]
-                out[h + hf_name] = (
-                    tensor.T if hf_name.endswith("weight") and tensor.dim() == 2 else tensor
-                )
-    else:  # Llama
-        out["model.embed_tokens.weight"] = sd["wte.weight"][:V]
-        out["model.norm.weight"] = sd["norm_f.weight"]
-        for i in range(cfg.n_layer):
-            k, h = f"blocks.{i}.", f"model.layers.{i}."
-            out[h + "input_layernorm.weight"] = sd[k + "norm1.weight"]
-            out[h + "post_attention_layernorm.weight"] = sd[k + "norm2.weight"]
-            out.update(layer_to_hf(cfg, sd, i))  # MLA, experts, q/k norms (hf_families.py)
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                if cfg.mla is None:
-                    q, kk, v = sd[f"{k}attn.qkv.{kind}"].split([q_out, kv_out, kv_out])
-                    out[f"{h}self_attn.q_proj.{kind}"] = q
-                    out[f"{h}self_attn.k_proj.{kind}"] = kk
-                    out[f"{h}self_attn.v_proj.{kind}"] = v
-                    out[f"{h}self_attn.o_proj.{kind}"] = sd[f"{k}attn.proj.{kind}"]
-                if not cfg.is_moe_layer(i):
-                    gate, up = sd[f"{k}mlp.fc.{kind}"].chunk(2)
-                    out[f"{h}mlp.gate_proj.{kind}"], out[f"{h}mlp.up_proj.{kind}"] = gate, up
-                    out[f"{h}mlp.down_proj.{kind}"] = sd[f"{k}mlp.proj.{kind}"]
+    out = gpt2_state_to_hf(cfg, sd) if cfg.pos_emb == "learned" else llama_state_to_hf(cfg, sd)
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"][:V]
+        out["lm_head.weight"] = sd["lm_head.weight"][: cfg.vocab_size]
     return {k: v.contiguous() for k, v in out.items()}
-
-
-_GPT2_LAYER = (
-    ("norm1.weight", "ln_1.weight"),
-    ("norm1.bias", "ln_1.bias"),
-    ("attn.qkv.weight", "attn.c_attn.weight"),
-    ("attn.qkv.bias", "attn.c_attn.bias"),
-    ("attn.proj.weight", "attn.c_proj.weight"),
-    ("attn.proj.bias", "attn.c_proj.bias"),
-    ("norm2.weight", "ln_2.weight"),
-    ("norm2.bias", "ln_2.bias"),
-    ("mlp.fc.weight", "mlp.c_fc.weight"),
-    ("mlp.fc.bias", "mlp.c_fc.bias"),
-    ("mlp.proj.weight", "mlp.c_proj.weight"),
-    ("mlp.proj.bias", "mlp.c_proj.bias"),
-)
 
 
 def state_dict_from_hf(
@@ -416,50 +199,20 @@ def state_dict_from_hf(
     rope_interleave: DeepSeek's interleaved RoPE rows, permuted to kiln's split halves.
     """
     hf = {k.removeprefix("module."): v for k, v in hf.items()}
-    out: dict[str, Tensor] = {}
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
-        out = switch_state_from_hf(cfg, hf, switch_family, _take)
+        out = switch_state_from_hf(cfg, hf, switch_family)
     elif cfg.pos_emb == "learned":
-        out["wte.weight"] = _take(hf, "transformer.wte.weight")
-        out["wpe.weight"] = _take(hf, "transformer.wpe.weight")
-        out["norm_f.weight"] = _take(hf, "transformer.ln_f.weight")
-        out["norm_f.bias"] = _take(hf, "transformer.ln_f.bias")
-        for i in range(cfg.n_layer):
-            for kiln_name, hf_name in _GPT2_LAYER:
-                tensor = _take(hf, f"transformer.h.{i}.{hf_name}")
-                out[f"blocks.{i}.{kiln_name}"] = tensor.T if tensor.dim() == 2 else tensor
+        out = gpt2_state_from_hf(cfg, hf)
     else:
-        out["wte.weight"] = _take(hf, "model.embed_tokens.weight")
-        out["norm_f.weight"] = _take(hf, "model.norm.weight")
-        for i in range(cfg.n_layer):
-            k, h = f"blocks.{i}.", f"model.layers.{i}."
-            out[k + "norm1.weight"] = _take(hf, h + "input_layernorm.weight")
-            out[k + "norm2.weight"] = _take(hf, h + "post_attention_layernorm.weight")
-            out.update(layer_from_hf(cfg, hf, i, rope_interleave))  # MLA, experts, q/k norms
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                if cfg.mla is None:
-                    qkv = [_take(hf, f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
-                    out[f"{k}attn.qkv.{kind}"] = torch.cat(qkv)
-                    out[f"{k}attn.proj.{kind}"] = _take(hf, f"{h}self_attn.o_proj.{kind}")
-                if not cfg.is_moe_layer(i):
-                    gate_up = [_take(hf, f"{h}mlp.{p}_proj.{kind}") for p in ("gate", "up")]
-                    out[f"{k}mlp.fc.{kind}"] = torch.cat(gate_up)
-                    out[f"{k}mlp.proj.{kind}"] = _take(hf, f"{h}mlp.down_proj.{kind}")
+        out = llama_state_from_hf(cfg, hf, rope_interleave)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["wte.weight"]
     else:
-        out["lm_head.weight"] = _take(hf, "lm_head.weight")
+        out["lm_head.weight"] = take(hf, "lm_head.weight")
     pad = cfg.padded_vocab_size - cfg.vocab_size
     for name in ("wte.weight", "lm_head.weight"):
         out[name] = torch.nn.functional.pad(out[name], (0, 0, 0, pad))
     return out
-
-
-def _take(hf: dict[str, Tensor], name: str) -> Tensor:
-    """One tensor of an HF state dict, or an error naming the missing key."""
-    if name not in hf:
-        raise KilnError(f"HF checkpoint has no tensor {name!r}")
-    return hf[name]
 
 
 def _interleaved(hf: dict[str, Any]) -> bool:
@@ -482,27 +235,3 @@ def _build(
     model.init_rope()
     dtype = state["wte.weight"].dtype
     return model.to(dtype) if dtype.is_floating_point else model
-
-
-def _read_weights(path: Path) -> dict[str, Tensor]:
-    """All tensors of an HF directory: model.safetensors, its sharded index, or pytorch_model.bin."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file as load_safetensors
-
-    def load_file(file: Path) -> dict[str, Tensor]:
-        try:
-            return load_safetensors(file)
-        except (SafetensorError, OSError) as exc:
-            raise KilnError(f"{file}: not a readable safetensors file ({exc})") from None
-
-    if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(path / shard).items()}
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise KilnError(
-        f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
-    )

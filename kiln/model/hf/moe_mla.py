@@ -2,9 +2,9 @@
 
 MixtralForCausalLM (softmax top-k, renormalised), Qwen3MoeForCausalLM (per-head q/k norms,
 optional renormalisation, leading dense layers) and DeepseekV3ForCausalLM (MLA, sigmoid routing
-with the balancing bias, shared experts, routed scaling, leading dense layers). kiln.model.hf
-calls these for the config fields and the per-layer tensors that differ from Llama; embeddings,
-block norms and the head are mapped there. All three store experts as HF does, fused
+with the balancing bias, shared experts, routed scaling, leading dense layers). llama.py calls
+these for the config fields and the per-layer tensors that differ from Llama; embeddings, block
+norms and the head are mapped there. All three store experts as HF does, fused
 gate_up_proj (E, 2F, C) and down_proj (E, C, F), which are kiln's Experts weights unchanged.
 DeepSeek's interleaved RoPE layout (rope_interleave) is a fixed permutation of the RoPE rows of
 q and k, undone on import; kiln exports with rope_interleave = false.
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from kiln.errors import KilnError
 from kiln.model.config import MLAConfig, ModelConfig, MoEConfig
+from kiln.model.hf.tensors import take
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
@@ -183,16 +184,14 @@ def layer_from_hf(
     cfg: ModelConfig, hf: dict[str, Tensor], i: int, interleaved: bool
 ) -> dict[str, Tensor]:
     """Layer i's MLA attention, MoE MLP and q/k norms under kiln names."""
-    from kiln.model.hf import _take
-
     k, h = f"blocks.{i}.", f"model.layers.{i}."
     if cfg.moe is not None and cfg.is_moe_layer(i):
         hf = {**hf, **_fused_experts(hf, h, cfg.moe.n_experts)}
-    out = {k + kiln_name: _take(hf, h + hf_name) for hf_name, kiln_name in _names(cfg, i)}
+    out = {k + kiln_name: take(hf, h + hf_name) for hf_name, kiln_name in _names(cfg, i)}
     if cfg.is_moe_layer(i) and cfg.moe is not None and cfg.moe.n_shared:
-        gate_up = [_take(hf, f"{h}mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up")]
+        gate_up = [take(hf, f"{h}mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up")]
         out[f"{k}mlp.shared.fc.weight"] = torch.cat(gate_up)
-        out[f"{k}mlp.shared.proj.weight"] = _take(hf, f"{h}mlp.shared_experts.down_proj.weight")
+        out[f"{k}mlp.shared.proj.weight"] = take(hf, f"{h}mlp.shared_experts.down_proj.weight")
     if cfg.mla is not None and interleaved:
         r, H = cfg.mla.rope_dim, cfg.n_head
         q_name = f"{k}attn.{'wq' if cfg.mla.q_rank is None else 'wq_b'}.weight"
@@ -211,14 +210,13 @@ def _fused_experts(hf: dict[str, Tensor], h: str, n_experts: int) -> dict[str, T
         prefix, (gate, up, down) = f"{h}block_sparse_moe.", ("w1", "w3", "w2")
     else:
         prefix, (gate, up, down) = f"{h}mlp.", ("gate_proj", "up_proj", "down_proj")
-    from kiln.model.hf import _take
 
     def expert(j: int, name: str) -> Tensor:
-        return _take(hf, f"{prefix}experts.{j}.{name}.weight")
+        return take(hf, f"{prefix}experts.{j}.{name}.weight")
 
     experts = range(n_experts)
     return {
-        f"{h}mlp.gate.weight": _take(hf, f"{prefix}gate.weight"),
+        f"{h}mlp.gate.weight": take(hf, f"{prefix}gate.weight"),
         f"{h}mlp.experts.gate_up_proj": torch.stack(
             [torch.cat((expert(j, gate), expert(j, up))) for j in experts]
         ),

@@ -8,7 +8,7 @@ Gemma2ForCausalLM is kiln with sandwich norms, GeGLU (tanh GELU), embeddings × 
 scale query_pre_attn_scalar^-½, attention and final-logit soft-capping and alternating
 sliding/full layers. Gemma's RMSNorm multiplies by (1 + w): kiln stores the scale itself, so
 import adds one and export subtracts it (a kiln → HF → kiln trip may move a scale by one ulp).
-kiln.model.hf calls these when `switch_family_of` names a family.
+convert.py calls these when `switch_family_of` names a family.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
+from kiln.model.hf.tensors import take
 
 SWITCH_FAMILIES = ("gpt_neox", "gemma2")
 
@@ -237,9 +238,7 @@ _NEOX_LAYER = (
 )
 
 
-def switch_state_from_hf(
-    cfg: ModelConfig, hf: dict[str, Tensor], family: str, take: Any
-) -> dict[str, Tensor]:
+def switch_state_from_hf(cfg: ModelConfig, hf: dict[str, Tensor], family: str) -> dict[str, Tensor]:
     """HF weights of the family under kiln names (embeddings and blocks; the head is the caller's)."""
     out: dict[str, Tensor] = {}
     if family == "gpt_neox":
