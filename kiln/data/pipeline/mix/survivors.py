@@ -19,7 +19,7 @@ from typing import IO, Any
 import numpy as np
 
 from kiln.data.pipeline.config import PipelineConfig
-from kiln.data.pipeline.mix import SourceMix, plan_mixture
+from kiln.data.pipeline.mix.plan import SourceMix, plan_mixture
 from kiln.data.pipeline.records import hash64, load_arrays, save_array, save_arrays, unit_interval
 from kiln.io import atomic_write
 

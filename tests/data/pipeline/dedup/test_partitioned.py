@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.data.pipeline import partitioned
-from kiln.data.pipeline.exact_dedup import first_occurrences
+from kiln.data.pipeline.dedup import partitioned
+from kiln.data.pipeline.dedup.exact import first_occurrences
+from kiln.data.pipeline.dedup.near import near_duplicate_clusters
 from kiln.data.pipeline.executors import LocalExecutor, RayExecutor
-from kiln.data.pipeline.near_dedup import near_duplicate_clusters
 from tests.data.pipeline.conftest import bench_module
 
 N = 6000

@@ -22,8 +22,8 @@ from kiln import __version__
 from kiln import config as cfgio
 from kiln.data.manifest import Manifest, SourceEntry, creation_time
 from kiln.data.pipeline.config import PipelineConfig
+from kiln.data.pipeline.mix.survivors import DocRecords, Survivors, output_order
 from kiln.data.pipeline.records import write_records
-from kiln.data.pipeline.survivors import DocRecords, Survivors, output_order
 from kiln.data.shard_format import dtype_for_vocab, dtype_name, shard_stem
 from kiln.data.shard_writer import ShardWriter
 from kiln.data.tokenize_shards import load_tokenizer_entry

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.language import LanguageConfig, LanguageFilter
+from kiln.data.pipeline.filter.language import LanguageConfig, LanguageFilter
 from kiln.errors import KilnError
 
 # Written for this test.
@@ -92,8 +92,8 @@ def test_bad_settings_are_clear_errors() -> None:
 
 
 def test_vectorised_walk_matches_py3langid(shared_data: Path, english_lines, german) -> None:
-    from kiln.data.pipeline.language import VectorisedLangid, _identifier
-    from kiln.data.pipeline.readers import ReadIssues, iter_records
+    from kiln.data.pipeline.filter.language import VectorisedLangid, _identifier
+    from kiln.data.pipeline.read.readers import ReadIssues, iter_records
 
     reference = _identifier()
     fast = VectorisedLangid(reference)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.data.pipeline.mix import SourceMix, plan_mixture, repeats_for
+from kiln.data.pipeline.mix.plan import SourceMix, plan_mixture, repeats_for
 
 
 def _source(name: str, lengths: list[int], share: float | None = None, rate=None) -> SourceMix:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import regex
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.quality_gopher import count_duplicates, count_tokens
+from kiln.data.pipeline.filter.quality_gopher import count_duplicates, count_tokens
 from kiln.errors import KilnError
 
 

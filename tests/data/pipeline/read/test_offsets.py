@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.data.pipeline import offsets
-from kiln.data.pipeline.readers import ReadIssues, count_records, iter_records
+from kiln.data.pipeline.read import offsets
+from kiln.data.pipeline.read.readers import ReadIssues, count_records, iter_records
 from kiln.tokenizer.special import EOT
 from tests.data.pipeline.conftest import write_stories_pipeline
 

@@ -1,6 +1,6 @@
 """WARC and HTTP at the byte level: record headers, blocks, response bodies and their charset.
 
-The readers (`kiln.data.pipeline.readers`) drive these to turn WARC response records into
+The readers (`kiln.data.pipeline.read.readers`) drive these to turn WARC response records into
 documents; this module knows nothing of documents, ordinals or issues. It follows WARC/1.0-1.1:
 a `WARC/x.y` version line, `Name: value` header lines, a blank line, `Content-Length` bytes of
 block, and a blank line or two before the next record.

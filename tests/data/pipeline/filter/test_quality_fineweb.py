@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.quality_fineweb import FineWebConfig, FineWebFilter
+from kiln.data.pipeline.filter.quality_fineweb import FineWebConfig, FineWebFilter
 from kiln.errors import KilnError
 
 PROSE = [

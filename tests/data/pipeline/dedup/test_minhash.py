@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config import ConfigError
-from kiln.data.pipeline.minhash import (
+from kiln.data.pipeline.dedup.minhash import (
     MERSENNE_61,
     MinHashConfig,
     MinHasher,
@@ -23,7 +23,7 @@ from kiln.data.pipeline.minhash import (
     normalized_words,
 )
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 EOT_LINE = "\n<|endoftext|>\n"
 
 
@@ -184,7 +184,7 @@ def test_signatures_are_identical_in_another_process(real_docs: list[str]) -> No
     here = MinHasher(MinHashConfig()).signatures(texts)
     code = (
         "import json, sys\n"
-        "from kiln.data.pipeline.minhash import MinHashConfig, MinHasher\n"
+        "from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher\n"
         "texts = json.load(sys.stdin)\n"
         "print(json.dumps(MinHasher(MinHashConfig()).signatures(texts).tolist()))\n"
     )

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kiln.data.pipeline.minhash import MinHashConfig, MinHasher, normalized_words
-from kiln.data.pipeline.near_dedup import near_duplicate_clusters
+from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher, normalized_words
+from kiln.data.pipeline.dedup.near import near_duplicate_clusters
 
 EOT_LINE = "\n<|endoftext|>\n"
 

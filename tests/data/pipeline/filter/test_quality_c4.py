@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.quality_c4 import C4Config, C4Filter, count_sentences
+from kiln.data.pipeline.filter.quality_c4 import C4Config, C4Filter, count_sentences
 from kiln.errors import KilnError
 
 GOOD = [

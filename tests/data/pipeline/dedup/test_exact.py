@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.data.pipeline.exact_dedup import exact_key, first_occurrences, keys_array
+from kiln.data.pipeline.dedup.exact import exact_key, first_occurrences, keys_array
 
 
 def test_key_is_blake2b_of_the_canonical_text() -> None:

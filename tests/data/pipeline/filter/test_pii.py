@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.pii import PIIConfig, PIIRedact
+from kiln.data.pipeline.filter.pii import PIIConfig, PIIRedact
 
 STAGE = PIIRedact(PIIConfig())
 

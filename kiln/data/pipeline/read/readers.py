@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from kiln.data.documents import iter_raw_text_documents, iter_text_documents
-from kiln.data.pipeline import warc
 from kiln.data.pipeline.document import Document
+from kiln.data.pipeline.read import warc
 from kiln.errors import KilnError
 from kiln.io import COMPRESSED_SUFFIXES, open_binary, strip_compression
 from kiln.tokenizer.special import EOT
@@ -211,7 +211,7 @@ def _lines_from(path: str, index: str, start: int) -> Iterator[tuple[Any, int, i
         with open_binary(path) as handle:
             yield handle, 0, 1
         return
-    from kiln.data.pipeline.offsets import open_at
+    from kiln.data.pipeline.read.offsets import open_at
 
     with open_at(index, start) as found:
         yield found

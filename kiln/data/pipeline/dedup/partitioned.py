@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.pipeline.minhash import _mix64
+from kiln.data.pipeline.dedup.minhash import _mix64
 from kiln.data.pipeline.records import save_array
 
 SLICES = 1024  # hash slices per producer file; a partition is a contiguous range of them

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.quality_gopher import (
+from kiln.data.pipeline.filter.quality_gopher import (
     TOKEN_RE,
     WORD_RE,
     GopherQuality,

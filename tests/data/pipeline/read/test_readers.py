@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.data.pipeline.readers import (
+from kiln.data.pipeline.read.readers import (
     ReadIssues,
     count_records,
     detect_format,

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.config import ConfigError
+from kiln.data.pipeline.dedup.minhash import hash_word_ngrams, normalized_word_spans
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.minhash import hash_word_ngrams, normalized_word_spans
 from kiln.errors import KilnError
 from kiln.io import open_binary, strip_compression
 

@@ -14,15 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config import ConfigError
-from kiln.data.pipeline.decontaminate import (
+from kiln.data.pipeline.decontaminate.ngram_overlap import (
     DecontamConfig,
     Decontaminator,
     EvalNgramIndex,
     read_eval_items,
     task_name,
 )
+from kiln.data.pipeline.dedup.minhash import (
+    hash_word_ngrams,
+    normalized_word_spans,
+    normalized_words,
+)
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.minhash import hash_word_ngrams, normalized_word_spans, normalized_words
 from kiln.errors import KilnError
 
 EOT_LINE = "\n<|endoftext|>\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.extract import Extract, ExtractConfig
+from kiln.data.pipeline.read.extract import Extract, ExtractConfig
 
 ARTICLE = (
     "The river Kiln flows for two hundred kilometres through the valley before it reaches "

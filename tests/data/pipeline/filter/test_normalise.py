@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.normalise import Normalise, NormaliseConfig, normalise_whitespace
+from kiln.data.pipeline.filter.normalise import Normalise, NormaliseConfig, normalise_whitespace
 
 
 @pytest.fixture(scope="module")
