@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.data.pipeline.dedup import partitioned
-from kiln.data.pipeline.dedup.minhash import _mix64
+from kiln.data.pipeline.dedup.minhash import mix64
 from kiln.data.pipeline.executors import LocalExecutor
 
 BANDS = 14
@@ -43,7 +43,7 @@ def _hash(seed: int, salt: int, values: np.ndarray) -> np.ndarray:
     """A counter-based 64-bit hash of each value (independent per seed and salt)."""
     x = values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     x ^= np.uint64((seed * 1_000_003 + salt) & (2**64 - 1))
-    return _mix64(_mix64(x))
+    return mix64(mix64(x))
 
 
 def _is_original(seed: int, docs: np.ndarray) -> np.ndarray:

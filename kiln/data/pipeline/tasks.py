@@ -114,7 +114,7 @@ def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
     return [(name, cls(cfg)) for name, cfg, cls in candidates if cfg.enabled]
 
 
-def _decontaminator(config: PipelineConfig) -> Any:
+def load_decontaminator(config: PipelineConfig) -> Any:
     """The decontamination stage; its n-gram index is loaded once per process (and n-gram size)."""
     from kiln.data.pipeline.decontaminate.ngram_overlap import Decontaminator
 
@@ -172,7 +172,7 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
 
     cfg, f = task.config, task.file
     stages = build_stages(cfg)
-    decontam = _decontaminator(cfg)
+    decontam = load_decontaminator(cfg)
     issues = ReadIssues()
     records = iter_records(
         f.path,

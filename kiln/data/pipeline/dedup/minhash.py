@@ -97,7 +97,7 @@ def normalized_word_spans(text: str) -> list[tuple[str, int, int]]:
     return spans
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
+def mix64(z: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser, in place on a uint64 array: every input bit reaches every output."""
     z ^= z >> np.uint64(30)
     z *= np.uint64(0xBF58476D1CE4E5B9)
@@ -155,7 +155,7 @@ def _word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     inverse = _powers(_BYTE_BASE_INV, len(c))[starts]  # (W,) B^-s
     words = (prefix[ends] - prefix[starts]) * inverse
     words += (ends - starts).astype(np.uint64) * np.uint64(_NGRAM_SALT)  # mix in the length
-    return _mix64(words), counts
+    return mix64(words), counts
 
 
 def _powers(base: int, length: int) -> np.ndarray:
@@ -195,7 +195,7 @@ def hash_word_ngrams(
     grams = np.full(max(n_windows, 0), np.uint64(_NGRAM_SALT), dtype=np.uint64)
     for k, weight in enumerate(_position_weights(n)):
         grams += padded[k : k + n_windows] * weight
-    _mix64(grams)
+    mix64(grams)
     word_offsets = np.zeros(n_docs, dtype=np.int64)
     np.cumsum(counts[:-1], out=word_offsets[1:])
     first_window = word_offsets + n * np.arange(n_docs, dtype=np.int64)
@@ -272,4 +272,4 @@ class MinHasher:
         keys = np.full((len(sigs), bands), np.uint64(_NGRAM_SALT), dtype=np.uint64)
         for r, weight in enumerate(self._band_weights):
             keys += grouped[:, :, r] * weight
-        return _mix64(keys)
+        return mix64(keys)

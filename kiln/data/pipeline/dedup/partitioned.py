@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.pipeline.dedup.minhash import _mix64
+from kiln.data.pipeline.dedup.minhash import mix64
 from kiln.data.pipeline.records import save_array
 
 SLICES = 1024  # hash slices per producer file; a partition is a contiguous range of them
@@ -45,7 +45,7 @@ Mapper = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
 
 def slice_of(values: np.ndarray) -> np.ndarray:
     """(n,) int64 hash slice of each value (top bits of a 64-bit mix), in [0, SLICES)."""
-    mixed = _mix64(np.asarray(values).astype(np.uint64, copy=True))
+    mixed = mix64(np.asarray(values).astype(np.uint64, copy=True))
     return (mixed >> _SLICE_SHIFT).astype(np.int64)
 
 
@@ -79,8 +79,8 @@ def read_buckets(paths: Sequence[str], lo: int, hi: int, width: int, dtype: Any)
 def write_near_rows(path: str | os.PathLike[str], band_keys: np.ndarray, nodes: np.ndarray) -> int:
     """A producer's near-dedup rows: (band-salted key, node) per document and band."""
     bands = band_keys.shape[1]
-    salts = _mix64(np.arange(1, bands + 1, dtype=np.uint64))  # (B,)
-    keys = _mix64((band_keys ^ salts[None, :]).reshape(-1))  # (n * B,)
+    salts = mix64(np.arange(1, bands + 1, dtype=np.uint64))  # (B,)
+    keys = mix64((band_keys ^ salts[None, :]).reshape(-1))  # (n * B,)
     rows = np.stack([keys, np.repeat(nodes, bands).astype(np.uint64)], axis=1)
     write_bucketed(path, rows, slice_of(keys), SLICES)
     return len(rows)

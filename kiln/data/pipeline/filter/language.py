@@ -38,7 +38,7 @@ class LanguageConfig:
 
 
 @functools.lru_cache(maxsize=1)
-def _identifier() -> Any:
+def langid_model() -> Any:
     """py3langid's model with normalised probabilities, loaded once per process (~1 s)."""
     from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
@@ -48,7 +48,7 @@ def _identifier() -> Any:
 @functools.lru_cache(maxsize=1)
 def _classifier() -> Callable[[str], tuple[str, float]]:
     """The fastest exact classifier available: the vectorised walk, else py3langid's own."""
-    identifier = _identifier()
+    identifier = langid_model()
     try:
         return VectorisedLangid(identifier).classify
     except AttributeError:  # a py3langid whose internals differ: use its (slower) classify
@@ -139,7 +139,7 @@ class LanguageFilter:
             raise KilnError(
                 f"language.threshold: expected a value in [0, 1], got {config.threshold}"
             )
-        identifier = _identifier()
+        identifier = langid_model()
         unknown = sorted(set(config.languages) - set(identifier.labels))
         if unknown:
             raise KilnError(

@@ -301,12 +301,12 @@ def test_cut_positions_are_the_words_detection_hashes(text: str) -> None:
 
 def test_the_pipeline_stage_honours_the_configured_ngram(eval_dir: Path) -> None:
     from kiln.data.pipeline.config import PipelineConfig, SourceSpec, TokenizeStageConfig
-    from kiln.data.pipeline.tasks import _decontaminator
+    from kiln.data.pipeline.tasks import load_decontaminator
 
     cfg = PipelineConfig(
         sources=(SourceSpec("s", ("x",)),),
         decontaminate=DecontamConfig(eval_files=(str(eval_dir / "copa.jsonl"),), ngram=8),
         tokenize=TokenizeStageConfig(tokenizer="tok.json"),
     )
-    stage = _decontaminator(cfg)
+    stage = load_decontaminator(cfg)
     assert stage.index.ngram == 8

@@ -92,10 +92,10 @@ def test_bad_settings_are_clear_errors() -> None:
 
 
 def test_vectorised_walk_matches_py3langid(shared_data: Path, english_lines, german) -> None:
-    from kiln.data.pipeline.filter.language import VectorisedLangid, _identifier
+    from kiln.data.pipeline.filter.language import VectorisedLangid, langid_model
     from kiln.data.pipeline.read.readers import ReadIssues, iter_records
 
-    reference = _identifier()
+    reference = langid_model()
     fast = VectorisedLangid(reference)
     assert fast._depth == 6  # py3langid's longest byte n-gram
     multi = iter_records(
