@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.pipeline.decontaminate import DecontamConfig, Decontaminator
+from kiln.data.pipeline.decontaminate.ngram_overlap import DecontamConfig, Decontaminator
+from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher, hash_word_ngrams
 from kiln.data.pipeline.document import Document
-from kiln.data.pipeline.minhash import MinHashConfig, MinHasher, hash_word_ngrams
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 EOT_LINE = "\n<|endoftext|>\n"

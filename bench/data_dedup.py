@@ -67,8 +67,8 @@ from loguru import logger
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kiln.data.pipeline.minhash import MinHashConfig, MinHasher, normalized_words  # noqa: E402
-from kiln.data.pipeline.near_dedup import near_duplicate_clusters  # noqa: E402
+from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher, normalized_words  # noqa: E402
+from kiln.data.pipeline.dedup.near import near_duplicate_clusters  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "bench" / "en_10m.txt.gz"
 EOT_LINE = "\n<|endoftext|>\n"

@@ -68,9 +68,9 @@ def load_docs(n_docs: int, path: Path = CORPUS) -> list[str]:
 # -------------------------------------------------------------------------- the two sides
 def kiln_filters() -> dict[str, Any]:
     """kiln's four stages, configured as the benchmark compares them (see the module doc)."""
-    from kiln.data.pipeline.quality_c4 import C4Config, C4Filter
-    from kiln.data.pipeline.quality_fineweb import FineWebConfig, FineWebFilter
-    from kiln.data.pipeline.quality_gopher import (
+    from kiln.data.pipeline.filter.quality_c4 import C4Config, C4Filter
+    from kiln.data.pipeline.filter.quality_fineweb import FineWebConfig, FineWebFilter
+    from kiln.data.pipeline.filter.quality_gopher import (
         GopherQuality,
         GopherQualityConfig,
         GopherRepetition,

@@ -4,7 +4,7 @@
 
 Without an index each task of a gzip file decompresses (and splits into records) everything
 before its range, so the file is read about tasks/2 times; with the index built by the counting
-pass (`kiln.data.pipeline.offsets`: the decompressed bytes re-chunked as zstd frames that start
+pass (`kiln.data.pipeline.read.offsets`: the decompressed bytes re-chunked as zstd frames that start
 at the tasks' first records) each task reads only its range. Measured side by side in one
 process, one task after another (the sum is the CPU work the pool would share): the counting
 pass alone vs the counting pass that also writes the index, then all tasks each way; the
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kiln.data.pipeline import offsets
-from kiln.data.pipeline.readers import ReadIssues, count_records, iter_records
+from kiln.data.pipeline.read import offsets
+from kiln.data.pipeline.read.readers import ReadIssues, count_records, iter_records
 from kiln.tokenizer.special import EOT
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bench" / "en_100m.txt.gz"

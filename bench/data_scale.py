@@ -9,7 +9,7 @@ are the "filter tasks" (one producer file each, written as the pipeline's tasks 
 90% of documents are originals; 7% are near copies of an earlier original (sharing 1-3 bands
 with it); 3% are bridges sharing bands with two earlier originals, which joins their clusters
 into chains that no single band (and no single partition) sees whole. Clustering runs
-`kiln.data.pipeline.partitioned.components` on a local process pool with the number of
+`kiln.data.pipeline.dedup.partitioned.components` on a local process pool with the number of
 partitions the budget gives (`partitions_for`), then reports wall time, the peak RSS of the
 driver and of the largest worker (getrusage, measured right after the budgeted run; the data is
 generated in a separate process first, so neither inherits the generator's memory), clusters
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.data.pipeline import partitioned
+from kiln.data.pipeline.dedup import partitioned
+from kiln.data.pipeline.dedup.minhash import mix64
 from kiln.data.pipeline.executors import LocalExecutor
-from kiln.data.pipeline.minhash import _mix64
 
 BANDS = 14
 
@@ -43,7 +43,7 @@ def _hash(seed: int, salt: int, values: np.ndarray) -> np.ndarray:
     """A counter-based 64-bit hash of each value (independent per seed and salt)."""
     x = values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     x ^= np.uint64((seed * 1_000_003 + salt) & (2**64 - 1))
-    return _mix64(_mix64(x))
+    return mix64(mix64(x))
 
 
 def _is_original(seed: int, docs: np.ndarray) -> np.ndarray:

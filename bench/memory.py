@@ -9,7 +9,7 @@ imports); on 2 processes, the larger rank's. It includes what the prediction lea
 runtime and kernel workspaces, the loader, the checkpoint written at the last step.
 Beside it: kiln.scaling.preflight's predicted peak per rank, and the saved-activation bytes of
 one micro-batch, measured with autograd's saved-tensor hooks (each storage counted once) against
-kiln.scaling.accounting.activation_bytes, the figure `kiln scaling account` prints.
+kiln.model.accounting.activation_bytes, the figure `kiln scaling account` prints.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def child(dataset: str, out: str, sets: list[str]) -> None:
     """One process of one configuration: train 2 steps, report the numbers (rank 0 writes)."""
     import torch
 
-    from kiln.scaling.accounting import activation_bytes
+    from kiln.model.accounting import activation_bytes
     from kiln.scaling.preflight import rank_memory
     from kiln.train.config import load_train_config
     from kiln.train.trainer import Trainer

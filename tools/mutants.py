@@ -31,18 +31,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = "kiln.train.trainer:Trainer._train_step"
 EVALUATE = "kiln.train.trainer:Trainer.evaluate"
-GOPHER = "kiln.data.pipeline.quality_gopher:GopherQuality.apply"
+GOPHER = "kiln.data.pipeline.filter.quality_gopher:GopherQuality.apply"
 TRAIN_TESTS = [
     "tests/train/test_reference_loop.py",
     "tests/train/test_trainer.py",
     "tests/train/test_cli.py",
     "tests/train/test_samples_and_loggers.py",
 ]
-MIX_TESTS = ["tests/data/pipeline/test_mixture_shards.py", "tests/data/pipeline/test_runner.py"]
+MIX_TESTS = ["tests/data/pipeline/mix/test_mixture_shards.py", "tests/data/pipeline/test_runner.py"]
 # The agreement with datatrove (real documents first, then one made-up document per rule).
 AGREEMENT_TESTS = [
-    "tests/data/pipeline/test_quality_gopher.py::test_agrees_with_datatrove_on_real_documents",
-    "tests/data/pipeline/test_rules_fire_in_both.py",
+    "tests/data/pipeline/filter/test_quality_gopher.py::test_agrees_with_datatrove_on_real_documents",
+    "tests/data/pipeline/filter/test_rules_fire_in_both.py",
 ]
 
 # name: (target, kind, change, tests to run, extra pytest arguments)
@@ -112,9 +112,9 @@ EXPECTED: dict[str, str] = {
         "tests/train/test_trainer.py::test_resume_equals_an_uninterrupted_run_bit_for_bit"
     ),
     "tokenizer_resume_retrains": "tests/tokenizer/test_train.py::test_resume_equals_uninterrupted",
-    "mixture_shares_ignored": "tests/data/pipeline/test_mixture_shards.py::"
+    "mixture_shares_ignored": "tests/data/pipeline/mix/test_mixture_shards.py::"
     "test_each_sources_written_tokens_reach_its_share_within_one_document",
-    "mixture_plan_not_written": "tests/data/pipeline/test_mixture_shards.py::"
+    "mixture_plan_not_written": "tests/data/pipeline/mix/test_mixture_shards.py::"
     "test_each_sources_written_tokens_reach_its_share_within_one_document",
     "gopher_stop_words_off": AGREEMENT_TESTS[0],
     "gopher_ellipsis_lines_off": AGREEMENT_TESTS[0],

@@ -1,7 +1,8 @@
 """ModelConfig: every architectural choice as an orthogonal switch, presets as short data.
 
-Parameter count and FLOPs per token are computed here from the config alone (no torch), so
-planning tools can size a model without building it; `Transformer` checks the count at start-up.
+Parameter count and FLOPs per token are computed from the config alone (no torch) in
+kiln/model/accounting.py, so planning tools can size a model without building it; `Transformer`
+checks the count at start-up.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 from kiln import config as cfgio
 from kiln.config import ConfigError, require
+from kiln.model import accounting
 
-PARAM_COMPONENTS = ("embeddings", "attention", "mlp", "norms", "head")
 # "gelu" is the tanh approximation (GPT-2's gelu_new), as it always was in kiln; "gelu_exact" is
 # erf-GELU. The gated kinds multiply an activated gate by an up projection (fused in one matrix).
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu")
@@ -395,98 +396,27 @@ class ModelConfig:
         is_local = self.window_pattern[layer % len(self.window_pattern)] == "L"
         return self.sliding_window if is_local else None
 
-    # ---- accounting ------------------------------------------------------------------------------
+    # ---- accounting (kiln/model/accounting.py holds the counts; these are its common calls) -------
 
     def param_breakdown(self, active: bool = False) -> dict[str, int]:
-        """Parameters of the module by component (PARAM_COMPONENTS); a tied head counts 0.
-
-        The one parameter count: `num_params` is its sum, `kiln scaling account` prints it, and
-        `Transformer` checks it against the instantiated module. With `active`, a MoE layer
-        counts only the top_k routed experts a token uses (plus router and shared experts).
-        """
-        d, L = self.n_embd, self.n_layer
-        norm_scale = (2 if self.norm == "layernorm" and self.bias else 1) * self.norm_scale
-        qk_norms = 2 * norm_scale * self.head_size if self.qk_norm else 0
-        norms = self.norms_per_block * norm_scale * d + qk_norms
-        final_norm = (
-            0 if self.norm_placement == "post" else norm_scale * d
-        )  # post: blocks end normed
-        if self.mla is not None:  # the latent RMSNorms (weight only)
-            norms += self.mla.kv_rank + (self.mla.q_rank or 0)
-        sinks = self.n_head if self.attn_sinks else 0
-        return {
-            "embeddings": self.padded_vocab_size * d
-            + (self.block_size * d if self.pos_emb == "learned" else 0),
-            "attention": L * (self._attention_params(self.bias) + sinks),
-            "mlp": sum(self._layer_mlp_params(i, self.bias, active) for i in range(L)),
-            "norms": L * norms + final_norm,  # every block's norms (+ q/k norms), the final one
-            "head": 0 if self.tie_embeddings else self.padded_vocab_size * d,
-        }
+        """Parameters of the module by component (`accounting.param_breakdown`)."""
+        return accounting.param_breakdown(self, active)
 
     def num_params(self) -> int:
         """Parameters of the module (a tied head counted once; padded vocab rows included)."""
-        return sum(self.param_breakdown().values())
+        return accounting.num_params(self)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: `num_params` less the routed experts it is not sent to."""
-        return sum(self.param_breakdown(active=True).values())
+        return accounting.num_active_params(self)
 
     def num_matmul_params(self) -> int:
-        """Weights used in a matrix multiply per token: every block's linear layers and the head.
-
-        For MoE layers these are the active ones: router, top_k routed experts, shared experts.
-        """
-        layers = sum(
-            self._attention_params(bias=False) + self._layer_mlp_params(i, False, active=True)
-            for i in range(self.n_layer)
-        )
-        return layers + self.padded_vocab_size * self.n_embd
-
-    def _attention_params(self, bias: bool) -> int:
-        """One block's QKV and output projections (with their biases if `bias`)."""
-        if self.mla is not None:
-            return self._mla_params(bias)
-        d, q_out, kv_out = self.n_embd, self.n_head * self.head_size, self.kv_heads * self.head_size
-        weights = d * (q_out + 2 * kv_out) + q_out * d
-        return weights + (q_out + 2 * kv_out + d if bias else 0)
-
-    def _mla_params(self, bias: bool) -> int:
-        """One MLA block's projections; biases (as DeepSeek's) on the down-projections and output."""
-        assert self.mla is not None
-        d, H, m = self.n_embd, self.n_head, self.mla
-        qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_head_dim - m.rope_dim
-        if m.q_rank is None:
-            q = d * H * qk
-        else:
-            q = d * m.q_rank + m.q_rank * H * qk + (m.q_rank if bias else 0)
-        kv = d * (m.kv_rank + m.rope_dim) + m.kv_rank * H * (nope + v)
-        out = H * v * d
-        return q + kv + out + ((m.kv_rank + m.rope_dim + d) if bias else 0)
-
-    def _mlp_params(self, bias: bool, ff: int | None = None) -> int:
-        """One block's MLP: fused gate+up (SwiGLU) or fc, then proj (with their biases if `bias`)."""
-        d, ff = self.n_embd, ff or self.ff_size
-        n_in = 2 if self.gated else 1
-        return (n_in + 1) * d * ff + (n_in * ff + d if bias else 0)
-
-    def _layer_mlp_params(self, layer: int, bias: bool, active: bool = False) -> int:
-        """One layer's MLP: dense, or router + routed experts (all, or top_k) + shared experts."""
-        if self.moe is None or not self.is_moe_layer(layer):
-            return self._mlp_params(bias)
-        m, d, fe = self.moe, self.n_embd, self.expert_size
-        expert = (3 if self.gated else 2) * d * fe  # experts have no biases
-        shared = self._mlp_params(bias, m.n_shared * fe) if m.n_shared else 0
-        return d * m.n_experts + (m.top_k if active else m.n_experts) * expert + shared
+        """Weights used in a matrix multiply per token (`accounting.num_matmul_params`)."""
+        return accounting.num_matmul_params(self)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token: 6·N_matmul + 6·L·H·(d_qk + d_v)·T.
-
-        N_matmul counts active weights only (MoE). The attention term counts the full T×T score
-        matrix (the PaLM / nanoGPT convention, no causal or window discount), so MFU figures
-        compare across implementations; with d_qk = d_v = head_dim it is 12·L·H·head_dim·T.
-        """
-        attn = 6 * self.n_layer * self.n_head * (self.qk_head_dim + self.v_head_dim) * seq_len
-        return 6 * self.num_matmul_params() + attn
+        """Training FLOPs (forward + backward) per token (`accounting.flops_per_token`)."""
+        return accounting.flops_per_token(self, seq_len)
 
     # ---- plain data (kiln/config.py's typed reader and writer, like every config section) --------
 
@@ -504,9 +434,7 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see `PRESETS`), with optional field overrides."""
-        if name.startswith("depth-"):  # the depth-derived family (kiln/model/depth.py)
-            from kiln.model.depth import depth_preset
-
+        if name.startswith("depth-"):
             return cls.from_dict({**depth_preset(name), **overrides})
         if name not in PRESETS:
             raise ModelConfigError(
@@ -557,3 +485,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "mla": {"kv_rank": 128, "rope_dim": 32}},
 }  # fmt: skip
 # "llama-1b" is Llama-3.2-1B's shape (1,235,814,400 parameters), so HF checkpoints map onto it.
+
+
+# ---- the depth-derived family: one knob (`depth-N`) sets depth, width and heads ----------------
+# nanochat's idea: instead of editing n_layer, n_embd, n_head (and the learning rates) together,
+# derive them from the depth at a fixed aspect ratio. `depth-N-mup` adds µP relative to depth 4,
+# so learning rates tuned there carry to any depth-N (kiln/train/mup.py derives each group's).
+
+DEPTH_ASPECT = 64  # n_embd per layer in the depth family (nanochat's aspect ratio)
+DEPTH_HEAD_DIM = 64
+DEPTH_MUP_BASE = 4  # depth-N-mup: µP relative to depth 4's width (256)
+
+
+def depth_preset(name: str) -> dict[str, Any]:
+    """The config fields of `depth-N` (or `depth-N-mup`): N layers, width 64·N, heads of 64."""
+    body = name.removeprefix("depth-").removesuffix("-mup")
+    _require(
+        body.isdigit() and int(body) >= 1,
+        f"depth preset must be depth-N or depth-N-mup with N >= 1, got {name!r}",
+    )
+    depth = int(body)
+    width = DEPTH_ASPECT * depth
+    out = {**_LLAMA, "n_layer": depth, "n_embd": width, "n_head": width // DEPTH_HEAD_DIM}
+    if name.endswith("-mup"):
+        out["mup_base_width"] = DEPTH_ASPECT * DEPTH_MUP_BASE
+    return out

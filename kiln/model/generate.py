@@ -71,7 +71,7 @@ def generate_steps(
 
     A stop token ends its row and is not yielded. Uses the model as it is (call `eval()` first).
     """
-    _check_prompts(model.cfg, prompts, max_new_tokens, top_k, top_p, temperature)
+    check_prompts(model.cfg, prompts, max_new_tokens, top_k, top_p, temperature)
     param = next(model.parameters())
     device = param.device
     lengths = [len(p) for p in prompts]
@@ -127,7 +127,7 @@ def stream(
         yield token
 
 
-def _check_prompts(
+def check_prompts(
     cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,

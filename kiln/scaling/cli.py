@@ -193,7 +193,7 @@ def _train_config_model(path: Path) -> tuple[Any, int | None, int | None]:
 
 def account_report(cfg: Any, seq_len: int, micro_batch: int) -> dict[str, Any]:
     """Everything `kiln scaling account` prints, as plain data."""
-    from kiln.scaling.accounting import (
+    from kiln.model.accounting import (
         PRECISION_BYTES,
         flop_count,
         memory_estimate,

@@ -15,8 +15,8 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.hardware import Accelerator
+from kiln.model.accounting import memory_estimate
 from kiln.model.config import PRESETS, ModelConfig
-from kiln.scaling.accounting import memory_estimate
 from kiln.scaling.laws import ScalingLaw, TokensPerParam
 
 FAMILIES = {"llama": "llama-", "gpt2": "gpt2-"}

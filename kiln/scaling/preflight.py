@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from kiln.errors import KilnError
-from kiln.model.config import ModelConfig
-from kiln.scaling.accounting import (
+from kiln.model.accounting import (
     PRECISION_BYTES,
     activation_bytes,
     layer_activation_bytes,
     optimizer_state_bytes,
 )
+from kiln.model.config import ModelConfig
 from kiln.train.config import TrainConfig
 
 GIB = 2**30

@@ -91,8 +91,8 @@ def save_sharded_hf_dir(
     """Write config.json + model.safetensors of the DCP checkpoint in `dcp_dir` into `out`."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from kiln.model.hf_families import family_of
-    from kiln.model.hf_neox_gemma import switch_family_of
+    from kiln.model.hf.moe_mla import family_of
+    from kiln.model.hf.neox_gemma import switch_family_of
 
     family = family_of(cfg) or switch_family_of(cfg)
     if family is not None:  # the streaming plan knows GPT-2's and Llama's tensor names only

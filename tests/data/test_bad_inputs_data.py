@@ -147,11 +147,13 @@ def test_intact_compressed_inputs_still_read_whole(tmp_path) -> None:
 # ------------------------------------------------------------- item 8: corrupt shard contents
 
 
-def _first_bin(root: Path) -> Path:
+def first_bin(root: Path) -> Path:
+    """The first training shard of a dataset folder."""
     return root / "train_000000.bin"
 
 
-def _poke(path: Path, position: int, value: int) -> None:
+def poke_token(path: Path, position: int, value: int) -> None:
+    """Overwrite one uint16 token of a shard in place (a corrupted shard for the checks)."""
     data = bytearray(path.read_bytes())
     at = HEADER_BYTES + 2 * position  # the tiny tokenizer's shards are uint16
     data[at : at + 2] = np.array([value], dtype=np.uint16).tobytes()
@@ -172,7 +174,7 @@ def test_corrupted_shard_bytes_are_refused_with_the_shards_name(
     capsys, build_dataset, value
 ) -> None:
     root = build_dataset()
-    _poke(_first_bin(root), 3, value)
+    poke_token(first_bin(root), 3, value)
     with pytest.raises(KilnError, match=r"train_000000\.bin: sha256 differs"):
         Dataset.open(root)  # what kiln train and kiln eval --val do
     code, err = _main(["data", "inspect", str(root)], capsys)
@@ -190,7 +192,7 @@ def test_out_of_range_ids_are_refused_without_verification_on_old_manifests(
             del entry["max_id"]
     (root / MANIFEST_NAME).write_text(json.dumps(manifest))
     Dataset.open(root, verify=False)  # intact: opens
-    _poke(_first_bin(root), 3, 65_535)
+    poke_token(first_bin(root), 3, 65_535)
     monkeypatch.setenv("KILN_VERIFY_SHARDS", "0")
     with pytest.raises(KilnError, match=r"train_000000\.bin: holds token id 65535, outside"):
         Dataset.open(root)
@@ -207,7 +209,7 @@ def test_recorded_max_id_beyond_the_vocabulary_is_refused(build_dataset) -> None
 
 def test_verification_can_be_switched_off(capsys, build_dataset, monkeypatch) -> None:
     root = build_dataset()
-    _poke(_first_bin(root), 3, 5)
+    poke_token(first_bin(root), 3, 5)
     assert Dataset.open(root, verify=False)
     code, _ = _main(["data", "inspect", str(root), "--no-verify"], capsys)
     assert code == 0
@@ -356,7 +358,7 @@ def test_out_of_range_ids_in_the_bytes_stop_the_loader_when_verification_is_off(
     from kiln.data.loader import Loader
 
     root = build_dataset()
-    _poke(_first_bin(root), 3, 65_535)
+    poke_token(first_bin(root), 3, 65_535)
     monkeypatch.setenv("KILN_VERIFY_SHARDS", "0")
     ds = Dataset.open(root)
     loader = Loader(ds, "train", seq_len=4, batch_size=2)
@@ -369,7 +371,7 @@ def test_inspect_without_verification_names_the_shard_of_an_out_of_range_id(
     capsys, build_dataset
 ) -> None:
     root = build_dataset()
-    _poke(_first_bin(root), 0, 65_535)  # in the sample document (document 0)
+    poke_token(first_bin(root), 0, 65_535)  # in the sample document (document 0)
     code, err = _main(["data", "inspect", str(root), "--no-verify"], capsys)
     assert_one_clear_line(code, err, "train_000000.bin", "token 0 is id 65535")
 
@@ -380,7 +382,7 @@ def test_inspect_without_verification_names_the_shard_of_an_out_of_range_id(
 def test_a_json_error_gives_the_whole_reason_with_line_and_column(
     capsys, tmp_path, tiny_tokenizer_file
 ) -> None:
-    from kiln.data.pipeline.readers import ReadIssues, iter_records
+    from kiln.data.pipeline.read.readers import ReadIssues, iter_records
 
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "a\tb"}\n{"text": "cut')  # no final newline

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 import kiln.cli
-from kiln.data.pipeline.readers import INLINE_SEPARATOR
+from kiln.data.pipeline.read.readers import INLINE_SEPARATOR
 from kiln.data.shard_reader import Dataset
 from kiln.tokenizer.formats import read_any
 from tests.data.conftest import EOT

@@ -12,7 +12,7 @@ import pytest
 from kiln.data import shard_reader
 from kiln.data.shard_reader import Dataset
 from kiln.errors import KilnError
-from tests.data.test_bad_inputs_data import _first_bin, _poke
+from tests.data.test_bad_inputs_data import first_bin, poke_token
 
 
 def _age(root: Path, seconds: int = 3600) -> None:
@@ -63,7 +63,7 @@ def test_a_shard_changed_after_its_check_is_hashed_again_and_refused(
     root = build_dataset()
     _age(root)
     Dataset.open(root)
-    _poke(_first_bin(root), 3, 5)  # in range: only the sha256 can tell
+    poke_token(first_bin(root), 3, 5)  # in range: only the sha256 can tell
     calls = _count_hashes(monkeypatch)
     with pytest.raises(KilnError, match=r"train_000000\.bin: sha256 differs"):
         Dataset.open(root)

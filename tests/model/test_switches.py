@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from kiln.model import ModelConfig, ModelConfigError, Transformer
-from kiln.model.config import PARAM_COMPONENTS
-from kiln.scaling.accounting import flop_count, param_tensor_count
+from kiln.model.accounting import PARAM_COMPONENTS, flop_count, mlp_params, param_tensor_count
 from tests.model.helpers import build
 
 # Each switch on its own over the tiny Llama-style preset (plus a GPT-style base for LayerNorm).
@@ -223,7 +222,7 @@ def test_flops_equal_torch_flop_counter(switches: dict[str, object]) -> None:
     and forward + backward (the head's in-place gradient matmul counted as test_accounting's)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tests.scaling.test_accounting import IN_PLACE_ADDMM
+    from tests.model.test_accounting import IN_PLACE_ADDMM
 
     cfg = small(**switches, attention_backend="math")
     model = Transformer(cfg)
@@ -245,7 +244,7 @@ def test_gated_widths_follow_the_two_thirds_rule() -> None:
     for kind in ("swiglu", "geglu"):
         cfg = ModelConfig(n_embd=96, n_head=4, mlp=kind, ff_multiple=1)
         assert cfg.ff_size == 256  # 2/3 · 4 · 96
-        assert cfg._mlp_params(False) == ModelConfig(n_embd=96, n_head=4)._mlp_params(False)
+        assert mlp_params(cfg, False) == mlp_params(ModelConfig(n_embd=96, n_head=4), False)
     assert ModelConfig(n_embd=96, n_head=4, mlp="relu2").ff_size == 384
 
 

@@ -93,3 +93,18 @@ def test_plan_errors_are_clear() -> None:
         CHINCHILLA.optimal(-1.0)
     with pytest.raises(KilnError, match="unknown family"):
         find_shape(1e8, "mamba")
+
+
+def test_trainer_mfu_reads_the_hardware_table() -> None:
+    from kiln.train.metrics import peak_flops
+
+    for name in ("h100", "h200", "b200", "a100"):
+        assert peak_flops(f"NVIDIA {name.upper()}") == accelerator(name).peak("bf16")
+    assert peak_flops("NVIDIA V100-SXM2-32GB") is None  # no bf16 on V100: no MFU, not a guess
+
+
+def test_hardware_table_refuses_unknown_gpus_and_missing_peaks() -> None:
+    with pytest.raises(KilnError, match="unknown GPU 'tpu'"):
+        accelerator("tpu")
+    with pytest.raises(KilnError, match="v100 has no bf16 peak"):
+        accelerator("v100").peak("bf16")

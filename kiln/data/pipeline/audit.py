@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.pipeline.mix.writer import DOC_MAP_SUFFIX
 from kiln.data.pipeline.records import read_records
-from kiln.data.pipeline.writer import DOC_MAP_SUFFIX
 from kiln.data.shard_reader import Dataset
 from kiln.errors import KilnError
 

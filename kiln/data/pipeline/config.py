@@ -14,17 +14,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import config as cfgio
-from kiln.data.pipeline.decontaminate import DecontamConfig
-from kiln.data.pipeline.exact_dedup import ExactDedupConfig
-from kiln.data.pipeline.extract import ExtractConfig
-from kiln.data.pipeline.language import LanguageConfig
-from kiln.data.pipeline.minhash import MinHashConfig
-from kiln.data.pipeline.normalise import NormaliseConfig
-from kiln.data.pipeline.pii import PIIConfig
-from kiln.data.pipeline.quality_c4 import C4Config
-from kiln.data.pipeline.quality_fineweb import FineWebConfig
-from kiln.data.pipeline.quality_gopher import GopherQualityConfig, GopherRepetitionConfig
-from kiln.data.pipeline.readers import detect_format
+from kiln.data.pipeline.decontaminate.ngram_overlap import DecontamConfig
+from kiln.data.pipeline.dedup.exact import ExactDedupConfig
+from kiln.data.pipeline.dedup.minhash import MinHashConfig
+from kiln.data.pipeline.filter.language import LanguageConfig
+from kiln.data.pipeline.filter.normalise import NormaliseConfig
+from kiln.data.pipeline.filter.pii import PIIConfig
+from kiln.data.pipeline.filter.quality_c4 import C4Config
+from kiln.data.pipeline.filter.quality_fineweb import FineWebConfig
+from kiln.data.pipeline.filter.quality_gopher import GopherQualityConfig, GopherRepetitionConfig
+from kiln.data.pipeline.read.extract import ExtractConfig
+from kiln.data.pipeline.read.readers import detect_format
 from kiln.errors import KilnError
 from kiln.tokenizer.special import EOT
 

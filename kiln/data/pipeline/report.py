@@ -282,7 +282,7 @@ def _format_issues(issues: dict[str, Any]) -> str:
     if not issues or not any(issues.get("counts", {}).values()):
         return "none"
     lines = [f"{kind}: {n:,}" for kind, n in issues.get("counts", {}).items()]
-    from kiln.data.pipeline.readers import ReadIssues
+    from kiln.data.pipeline.read.readers import ReadIssues
 
     for ex in issues.get("examples", []):
         lines.append("  " + ReadIssues.format_example(ex))

@@ -22,12 +22,13 @@ from kiln.data.manifest import MANIFEST_NAME, Manifest
 from kiln.data.pipeline.config import InputFile, PipelineConfig, expand_sources
 from kiln.data.pipeline.executors import Executor, make_executor
 from kiln.data.pipeline.global_stages import GLOBAL_STATS, run_global_stages
+from kiln.data.pipeline.mix.survivors import plan_copies, surviving_documents
+from kiln.data.pipeline.mix.writer import write_dataset
 from kiln.data.pipeline.records import (
     load_arrays,
     read_records,
     write_records,
 )
-from kiln.data.pipeline.survivors import plan_copies, surviving_documents
 from kiln.data.pipeline.tasks import (
     STATS,
     FilterTask,
@@ -36,7 +37,6 @@ from kiln.data.pipeline.tasks import (
     run_filter_task,
     run_tokenize_task,
 )
-from kiln.data.pipeline.writer import write_dataset
 from kiln.data.tokenize_shards import build_path, install_dataset, remove_abandoned_builds
 from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
@@ -142,8 +142,8 @@ def _check_inputs(cfg: PipelineConfig) -> None:
 def _count_task(file: InputFile, spec_args: dict[str, Any], every: int, index: str) -> int:
     """Count a file's records; a compressed txt/jsonl file's counting pass also writes its
     byte-offset index (`index`), so that its tasks start at their own ranges."""
-    from kiln.data.pipeline.offsets import build_index, wants_index
-    from kiln.data.pipeline.readers import count_records
+    from kiln.data.pipeline.read.offsets import build_index, wants_index
+    from kiln.data.pipeline.read.readers import count_records
 
     if index and wants_index(file.path, file.format):
         separator = spec_args["separator"].encode("utf-8")
@@ -212,7 +212,7 @@ def _plan(cfg: PipelineConfig, work: Path, executor: Executor, progress: bool) -
 
 def _index_of(work: Path, number: int, file: InputFile) -> str:
     """The byte-offset index of the run's `number`-th input file, if it gets one ("" if not)."""
-    from kiln.data.pipeline.offsets import index_path, wants_index
+    from kiln.data.pipeline.read.offsets import index_path, wants_index
 
     return index_path(work, number) if wants_index(file.path, file.format) else ""
 
@@ -384,7 +384,7 @@ def _merge_samples(tok_stats: list[dict[str, Any]], limit: int) -> dict[str, lis
 
 
 def _merge_issues(filter_stats: list[dict[str, Any]]) -> dict[str, Any]:
-    from kiln.data.pipeline.readers import ReadIssues
+    from kiln.data.pipeline.read.readers import ReadIssues
 
     merged = ReadIssues()
     for s in filter_stats:

@@ -92,13 +92,13 @@ def is_done(task_dir: Path) -> bool:
 @functools.lru_cache(maxsize=2)
 def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
     """The enabled per-document stages, in pipeline order, built once per worker process."""
-    from kiln.data.pipeline.extract import Extract
-    from kiln.data.pipeline.language import LanguageFilter
-    from kiln.data.pipeline.normalise import Normalise
-    from kiln.data.pipeline.pii import PIIRedact
-    from kiln.data.pipeline.quality_c4 import C4Filter
-    from kiln.data.pipeline.quality_fineweb import FineWebFilter
-    from kiln.data.pipeline.quality_gopher import GopherQuality, GopherRepetition
+    from kiln.data.pipeline.filter.language import LanguageFilter
+    from kiln.data.pipeline.filter.normalise import Normalise
+    from kiln.data.pipeline.filter.pii import PIIRedact
+    from kiln.data.pipeline.filter.quality_c4 import C4Filter
+    from kiln.data.pipeline.filter.quality_fineweb import FineWebFilter
+    from kiln.data.pipeline.filter.quality_gopher import GopherQuality, GopherRepetition
+    from kiln.data.pipeline.read.extract import Extract
 
     q = config.quality
     candidates: list[tuple[str, Any, Any]] = [
@@ -114,9 +114,9 @@ def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
     return [(name, cls(cfg)) for name, cfg, cls in candidates if cfg.enabled]
 
 
-def _decontaminator(config: PipelineConfig) -> Any:
+def load_decontaminator(config: PipelineConfig) -> Any:
     """The decontamination stage; its n-gram index is loaded once per process (and n-gram size)."""
-    from kiln.data.pipeline.decontaminate import Decontaminator
+    from kiln.data.pipeline.decontaminate.ngram_overlap import Decontaminator
 
     cfg = config.decontaminate
     if not cfg.enabled or not cfg.eval_files:
@@ -126,7 +126,7 @@ def _decontaminator(config: PipelineConfig) -> Any:
 
 @functools.lru_cache(maxsize=2)
 def _minhasher(config: PipelineConfig) -> Any:
-    from kiln.data.pipeline.minhash import MinHasher
+    from kiln.data.pipeline.dedup.minhash import MinHasher
 
     return MinHasher(config.dedup.near)
 
@@ -165,14 +165,14 @@ def _change(doc: Document, stage: str, before: str) -> dict[str, Any]:
 
 def run_filter_task(task: FilterTask) -> dict[str, Any]:
     """Read, filter and fingerprint one slice of an input file; write the results; return stats."""
-    from kiln.data.pipeline.exact_dedup import exact_key, keys_array
+    from kiln.data.pipeline.dedup.exact import exact_key, keys_array
+    from kiln.data.pipeline.dedup.partitioned import write_exact_rows, write_near_rows
     from kiln.data.pipeline.global_stages import nodes_of
-    from kiln.data.pipeline.partitioned import write_exact_rows, write_near_rows
-    from kiln.data.pipeline.readers import ReadIssues, iter_records
+    from kiln.data.pipeline.read.readers import ReadIssues, iter_records
 
     cfg, f = task.config, task.file
     stages = build_stages(cfg)
-    decontam = _decontaminator(cfg)
+    decontam = load_decontaminator(cfg)
     issues = ReadIssues()
     records = iter_records(
         f.path,
@@ -299,7 +299,7 @@ def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
 def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     """Encode the documents of one filter task that the global stages kept; return stats."""
     from kiln.data.pipeline.global_stages import read_clusters
-    from kiln.data.pipeline.survivors import write_doc_records
+    from kiln.data.pipeline.mix.survivors import write_doc_records
     from kiln.data.shard_format import dtype_for_vocab
     from kiln.data.tokenize_shards import encode_documents
 

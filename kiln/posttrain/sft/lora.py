@@ -10,7 +10,7 @@ checkpoint's state dict is the base's plus the adapters; `kiln.loading` merges s
 when it loads it (for eval, export, serving and chat).
 
 `save_adapter` writes `adapter_config.json` + `adapter_model.safetensors` under the module names
-of kiln's HF export (kiln/model/hf.py), so `peft.PeftModel.from_pretrained(export, adapter)`
+of kiln's HF export (kiln/model/hf/), so `peft.PeftModel.from_pretrained(export, adapter)`
 computes what the kiln model computes. kiln fuses Q, K, V (and SwiGLU's gate and up) into one
 matrix; LoRA on the fused matrix, ΔW = B·A, splits exactly into one adapter per HF projection:
 each keeps the whole A and takes its rows of B. GPT-2's HF layers are Conv1D (fan_in_fan_out).

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kiln.errors import KilnError
-from kiln.model.generate import _check_prompts, decode_step, filter_logits
+from kiln.model.generate import check_prompts, decode_step, filter_logits
 from kiln.model.kv_cache import KVCache
 from kiln.model.transformer import Transformer
 
@@ -143,7 +143,7 @@ class SpeculativeDecoder:
     ) -> Iterator[int]:  # fmt: skip
         """Yield the request's new tokens (a stop token ends it and is not yielded)."""
         cfg = self.model.cfg
-        _check_prompts(cfg, [prompt], max_new_tokens, warp.top_k, warp.top_p, warp.temperature)
+        check_prompts(cfg, [prompt], max_new_tokens, warp.top_k, warp.top_p, warp.temperature)
         param = next(self.model.parameters())
         generator = None if seed is None else torch.Generator(param.device).manual_seed(seed)
         cache = KVCache(cfg, 1, len(prompt) + max_new_tokens, device=param.device,

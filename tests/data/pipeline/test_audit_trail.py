@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kiln.data.pipeline.config import load_pipeline_config
-from kiln.data.pipeline.normalise import Normalise, NormaliseConfig
+from kiln.data.pipeline.filter.normalise import Normalise, NormaliseConfig
 from kiln.data.pipeline.records import read_records
 from kiln.data.pipeline.runner import RunOptions, run_pipeline
 from kiln.data.shard_reader import Dataset

@@ -110,7 +110,7 @@ def baseline(corpus: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def _fingerprint(out: Path) -> dict[str, bytes]:
+def output_fingerprint(out: Path) -> dict[str, bytes]:
     """Every output file's bytes; of the manifest all but `created` (the build time, the one
     field the docs say differs between identical runs)."""
     files = {}
@@ -215,7 +215,7 @@ def test_two_workers_give_byte_identical_output(
     corpus: dict[str, Any], baseline: Path, tmp_path: Path
 ) -> None:
     _run(corpus, tmp_path / "two", workers=2)
-    assert _fingerprint(tmp_path / "two") == _fingerprint(baseline)
+    assert output_fingerprint(tmp_path / "two") == output_fingerprint(baseline)
 
 
 def test_global_pass_partitions_give_byte_identical_output(
@@ -224,7 +224,7 @@ def test_global_pass_partitions_give_byte_identical_output(
     """The baseline's global pass fits one partition; split into 3 and 7 it must not change."""
     for parts in (3, 7):
         _run(corpus, tmp_path / f"p{parts}", workers=2, partitions=parts)
-        assert _fingerprint(tmp_path / f"p{parts}") == _fingerprint(baseline)
+        assert output_fingerprint(tmp_path / f"p{parts}") == output_fingerprint(baseline)
 
 
 def test_ray_gives_byte_identical_output(
@@ -236,7 +236,7 @@ def test_ray_gives_byte_identical_output(
         _run(corpus, tmp_path / "ray", workers=2, executor="ray")
     finally:
         ray.shutdown()
-    assert _fingerprint(tmp_path / "ray") == _fingerprint(baseline)
+    assert output_fingerprint(tmp_path / "ray") == output_fingerprint(baseline)
 
 
 def test_killed_run_resumes_and_redoes_only_unfinished_tasks(
@@ -267,7 +267,7 @@ def test_killed_run_resumes_and_redoes_only_unfinished_tasks(
     monkeypatch.setattr(runner, "run_filter_task", counting)
     _run(corpus, tmp_path / "ds", workers=1)
     assert 0 not in ran and 3 in ran
-    assert _fingerprint(tmp_path / "ds") == _fingerprint(baseline)
+    assert output_fingerprint(tmp_path / "ds") == output_fingerprint(baseline)
 
 
 def test_changed_config_is_refused_without_force(
@@ -403,7 +403,7 @@ def test_a_run_cut_short_while_moving_into_place_finishes_without_recomputing(
     monkeypatch.setattr(runner, "install_dataset", real_install)
     monkeypatch.setattr(runner, "run_filter_task", lambda task: pytest.fail("recomputed"))
     _run(corpus, tmp_path / "ds", workers=1)
-    assert _fingerprint(tmp_path / "ds") == _fingerprint(baseline)
+    assert output_fingerprint(tmp_path / "ds") == output_fingerprint(baseline)
     assert not (tmp_path / "ds.partial").exists()
 
 
@@ -480,7 +480,7 @@ def test_sigkill_mid_run_then_restart_gives_the_uninterrupted_output(
     command = [sys.executable, "-m", "kiln.cli", *args]
     restarted = subprocess.run(command, capture_output=True, text=True, check=True)
     assert f"filter: {done_before} of " in restarted.stderr  # only the rest was redone
-    assert _fingerprint(out) == _fingerprint(tmp_path / "straight")
+    assert output_fingerprint(out) == output_fingerprint(tmp_path / "straight")
 
 
 def test_a_dataset_a_killed_rebuild_set_aside_is_restored(
@@ -500,5 +500,5 @@ def test_a_dataset_a_killed_rebuild_set_aside_is_restored(
     (tmp_path / f".ds.{dead}.work.tmp").mkdir()
     monkeypatch.setattr(runner, "run_filter_task", lambda task: pytest.fail("recomputed"))
     _run(corpus, tmp_path / "ds", workers=1)  # the same config: restored, nothing to do
-    assert _fingerprint(tmp_path / "ds") == _fingerprint(baseline)
+    assert output_fingerprint(tmp_path / "ds") == output_fingerprint(baseline)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.data.pipeline.conftest import write_stories_pipeline
-from tests.data.pipeline.test_runner import _fingerprint
+from tests.data.pipeline.test_runner import output_fingerprint
 
 EOT = "<|endoftext|>"
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -127,4 +127,4 @@ def test_sigterm_stops_workers_and_the_rerun_resumes_to_the_same_output(
     assert "filter: 2 of " in resumed.stderr
     straight = [*run_setup[:-5], "--out", str(tmp_path / "straight"), "--workers", "1", "--quiet"]
     subprocess.run(straight, capture_output=True, check=True)
-    assert _fingerprint(tmp_path / "out") == _fingerprint(tmp_path / "straight")
+    assert output_fingerprint(tmp_path / "out") == output_fingerprint(tmp_path / "straight")

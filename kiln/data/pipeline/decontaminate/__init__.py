@@ -1,0 +1,1 @@
+"""Decontamination: n-gram overlaps with evaluation sets cut out of training documents."""

@@ -1,0 +1,1 @@
+"""Per-document filters and rewrites: normalisation, language, PII, the C4 / FineWeb / Gopher quality rules."""
