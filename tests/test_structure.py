@@ -30,6 +30,7 @@ LAYERS = [
     {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting"},
     {"tokenizer", "kernels"},
     {"data", "model"},
+    {"checkpoint_format"},
     {"train"},
     {"loading"},
     {"serve"},

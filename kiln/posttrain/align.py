@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kiln import config as cfgio
+from kiln.checkpoint_format import config_differences, latest_checkpoint, read_state
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import remove_dir
@@ -32,7 +33,6 @@ from kiln.posttrain.reward_model import RewardConfig, load_reward_model, score_s
 from kiln.posttrain.rl import RLConfig
 from kiln.posttrain.tasks import score
 from kiln.tokenizer.chat import render, require_chat_template
-from kiln.train.checkpoint import config_differences, latest_checkpoint, read_state
 
 
 @dataclass(frozen=True)
