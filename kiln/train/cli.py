@@ -216,10 +216,6 @@ def train_and_report(
         f"{c.batch.micro_batch} × {c.data.seq_len} × {trainer.dist.world_size} rank(s); "
         f"{_length(c)}; run in {run_dir}"
     )
-    from kiln.scaling.preflight import check as memory_preflight
-
-    for line in memory_preflight(trainer):  # a run that would not fit stops here, with advice
-        say(f"kiln train: {line}")
     if args.resume:
         say(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
         for note in trainer.notes:

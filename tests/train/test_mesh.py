@@ -18,7 +18,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.train.config import ConfigError, load_train_config
-from kiln.train.distributed import DistInfo, parallel_mode
+from kiln.train.distributed import DistInfo
+from kiln.train.parallelize import parallel_mode
 from kiln.train.pipeline import balanced_ranges
 from kiln.train.trainer import Trainer
 
@@ -179,7 +180,7 @@ def test_resume_in_one_process(mesh_runs: Path, make_config: MakeConfig, tmp_pat
     start_from(mesh_runs / "dp4", 2, run)
     cfg = make_config(*_base(mesh_runs, run)[3:], *MESH_RUNS["dp4"], run="one")
     trainer = Trainer(cfg, run, resume=True)
-    assert trainer.step == 2 and trainer.mesh is not None and trainer.accum == 4
+    assert trainer.step == 2 and trainer.plan.mode == "mesh" and trainer.accum == 4
     result = trainer.run()
     straight = _records(mesh_runs / "dp4")
     assert result.losses == pytest.approx([r["loss"] for r in straight][2:], **TOL)
