@@ -112,6 +112,7 @@ class RankModules(nn.Module):
 
     def __init__(self, stages: list[StageModule]) -> None:
         super().__init__()
+        self.cfg = stages[0].model.cfg  # the optimizer reads it (µP's per-role learning rates)
         self.blocks = nn.ModuleDict()
         for stage in stages:
             for name, child in stage.named_children():
