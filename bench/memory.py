@@ -7,7 +7,7 @@ glibc told to mmap large blocks and give them back at free. Measured peak = the 
 resident set (ru_maxrss) minus its resident set just before the Trainer is built (after
 imports); on 2 processes, the larger rank's. It includes what the prediction leaves out: torch's
 runtime and kernel workspaces, the loader, the checkpoint written at the last step.
-Beside it: kiln.scaling.preflight's predicted peak per rank, and the saved-activation bytes of
+Beside it: kiln.train.preflight's predicted peak per rank, and the saved-activation bytes of
 one micro-batch, measured with autograd's saved-tensor hooks (each storage counted once) against
 kiln.model.accounting.activation_bytes, the figure `kiln scaling account` prints.
 """
@@ -70,8 +70,8 @@ def child(dataset: str, out: str, sets: list[str]) -> None:
     import torch
 
     from kiln.model.accounting import activation_bytes
-    from kiln.scaling.preflight import rank_memory
     from kiln.train.config import load_train_config
+    from kiln.train.preflight import rank_memory
     from kiln.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -82,8 +82,7 @@ def child(dataset: str, out: str, sets: list[str]) -> None:
     )
     before = _rss()
     trainer = Trainer(cfg, run)
-    shape = trainer.mesh.shape if trainer.mesh is not None else {
-        "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}  # fmt: skip
+    shape = trainer.plan.mesh.shape
     predicted = rank_memory(trainer.model_cfg, trainer.cfg, shape, "fp32", cfg.batch.micro_batch)
     trainer.run()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from kiln import checkpoint_format as ckpt
 from kiln.devices import Precision, choose_precision, resolve_device
 from kiln.errors import KilnError, not_found
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
-from kiln.train import checkpoint as ckpt
 
 TOKENIZER_HINT = "; pass --tokenizer PATH"
 # Tokenizer files looked for beside an HF model, in this order.
@@ -119,7 +119,11 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
 
     `step` picks a saved step; by default the one `latest` names (else the newest).
     """
-    path = Path(path)
+    return _locate_checkpoint(Path(path), step)[0]
+
+
+def _locate_checkpoint(path: Path, step: int | None) -> tuple[Path, dict[str, Any] | None]:
+    """`find_checkpoint`'s answer, with the state.json it had to read to check `step` (or None)."""
     kind = folder_kind(path)
     if kind == "hf":
         raise KilnError(
@@ -127,10 +131,14 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
             "or checkpoint it came from"
         )
     if kind == "checkpoint":
-        saved = ckpt.read_state(path).get("step")
-        if step is not None and saved != step:
-            raise KilnError(f"{path} is the checkpoint of step {saved}, not of step {step}")
-        return path
+        if step is None:
+            return path, None
+        state = ckpt.read_state(path)
+        if state.get("step") != step:
+            raise KilnError(
+                f"{path} is the checkpoint of step {state.get('step')}, not of step {step}"
+            )
+        return path, state
     checkpoints = {
         "checkpoints": path,
         "run": path / "checkpoints",
@@ -142,7 +150,7 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
         if not ckpt.is_complete(chosen):  # a partial folder (a kill mid-prune) is not one
             have = ", ".join(str(s) for s, _ in found) or "none"
             raise KilnError(f"{chosen}: no checkpoint of step {step} (steps saved: {have})")
-        return chosen
+        return chosen, None
     latest = ckpt.latest_checkpoint(checkpoints)
     if latest is None:
         if not found:
@@ -151,7 +159,7 @@ def find_checkpoint(path: PathLike, step: int | None = None) -> Path:
                 "run saved one?"
             )
         latest = found[-1][1]  # steps exist but no pointer: take the newest
-    return latest
+    return latest, None
 
 
 # ---- kiln checkpoints ------------------------------------------------------------------------
@@ -174,14 +182,18 @@ def merge_lora_tensors(tensors: dict[str, torch.Tensor], scaling: float) -> dict
 
 
 def load_checkpoint_model(
-    path: Path, device: str | torch.device = "cpu", weights_too: bool = True
+    path: Path,
+    device: str | torch.device = "cpu",
+    weights_too: bool = True,
+    state: dict[str, Any] | None = None,
 ) -> Transformer:
     """A Transformer with the config and weights of checkpoint `path`, in eval mode (fp32).
 
     With `weights_too=False`, the model on the meta device: its config and shapes only (what
-    exporting a sharded checkpoint tensor by tensor needs).
+    exporting a sharded checkpoint tensor by tensor needs). `state`: the checkpoint's state.json
+    when the caller has read it already.
     """
-    state = ckpt.read_state(path)
+    state = state if state is not None else ckpt.read_state(path)
     try:
         cfg = ModelConfig.from_dict(dict(state["config"]["model"]))
     except (KeyError, TypeError) as exc:
@@ -278,9 +290,9 @@ def load_checkpoint(
     With `need_tokenizer=False` a run whose tokenizer cannot be found (or is not the one it
     trained with) still loads, with tokenizer None: scoring the val split needs no tokenizer.
     """
-    checkpoint = find_checkpoint(path, step)
-    state = ckpt.read_state(checkpoint)
-    model = load_checkpoint_model(checkpoint, device=device, weights_too=weights_too)
+    checkpoint, state = _locate_checkpoint(Path(path), step)
+    state = state if state is not None else ckpt.read_state(checkpoint)  # once per load
+    model = load_checkpoint_model(checkpoint, device, weights_too, state)
     if tokenizer is not None:
         tok_path, eot_token = _tokenizer_file(Path(tokenizer)), EOT
     else:

@@ -167,6 +167,24 @@ def test_find_checkpoint_takes_a_step_and_names_the_saved_ones(demo: Path) -> No
         find_checkpoint(demo / "train" / "checkpoints" / "step_2", 5)
 
 
+@pytest.mark.parametrize(("where", "step"), [("", None), ("train/checkpoints/step_2", None),
+                                           ("train/checkpoints/step_2", 2)])  # fmt: skip
+def test_one_load_reads_the_checkpoint_state_once(
+    demo: Path, where: str, step: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kiln import checkpoint_format
+    from kiln.loading import load_checkpoint
+
+    read = checkpoint_format.read_state
+    calls: list[Path] = []
+    monkeypatch.setattr(checkpoint_format, "read_state", lambda p: calls.append(p) or read(p))
+    if step is None:
+        fp32(demo / where)
+    else:
+        load_checkpoint(demo / where, step)
+    assert calls == [demo / "train" / "checkpoints" / "step_2"]
+
+
 # ---- HF folders ------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ LAYERS = [
     {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting"},
     {"tokenizer", "kernels"},
     {"chat", "data", "model", "quant"},
+    {"checkpoint_format"},
     {"train"},
     {"loading"},
     {"serve"},

@@ -109,3 +109,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
         """Chain rule: the stored gradients times the incoming scalar."""
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None
+
+
+def logits_loss(logits: Tensor, targets: Tensor, z_loss: float = 0.0) -> Tensor:
+    """`lm_loss` of logits already made (..., V): mean cross-entropy (+ z-loss), in fp32.
+
+    For a pipeline's last stage, whose logits go to the schedule's loss function. Targets < 0
+    are ignored; soft-capping is the head's (`Transformer.logits`), done before.
+    """
+    s = logits.float().reshape(-1, logits.size(-1))  # (N, V)
+    y = targets.reshape(-1)  # (N,)
+    valid = y >= 0
+    lse = torch.logsumexp(s, dim=-1)  # (N,)
+    picked = s.gather(1, y.clamp(min=0)[:, None]).squeeze(1)  # (N,)
+    per_token = lse - picked + z_loss * lse.square()
+    return (per_token * valid).sum() / valid.sum().clamp(min=1)

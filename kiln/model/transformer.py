@@ -150,6 +150,15 @@ class Transformer(nn.Module):
             if cache is not None:
                 raise KilnError("packed segments are for training passes, not cached decoding")
             pos = segment_positions(segments)  # (B, T)
+        x = self.embed(idx, pos)  # (B, T, C)
+        masks = self.attention_masks(slots, start + T, first_valid, segments)
+        x = self.run_blocks(x, self.rope_at(pos, start), masks, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.norm_f(x)  # (B, T, C)
+
+    def embed(self, idx: Tensor, pos: Tensor) -> Tensor:
+        """Token ids (B, T) at positions pos ((T,) or (B, T)) -> the residual stream (B, T, C)."""
         x = self.wte(idx)  # (B, T, C)
         if self.cfg.embed_scale:
             x = x * torch.tensor(self.cfg.n_embd**0.5, dtype=x.dtype)
@@ -157,25 +166,39 @@ class Transformer(nn.Module):
             x = x + self.wpe(pos)  # pos (T,) or (B, T)
         elif self.cfg.pos_emb == "sinusoidal":
             x = x + self.pos_table[pos].to(x.dtype)
-        x = self.drop(x)
-        rope = None
-        if self.cfg.pos_emb == "rope":
-            cos, sin = self.rope_cos, self.rope_sin
-            if (n := dynamic_rope_length(self.cfg, pos)) is not None:  # NTK: this length's freqs
-                cos, sin = rope_tables(self.cfg, idx.device, seq_len=n)
-            if pos.dim() == 1:  # the same positions in every row
-                span = slice(start, start + T)
-                rope = (cos[span], sin[span])  # (T, D)
-            else:
-                rope = (cos[pos][:, None], sin[pos][:, None])  # (B, 1, T, D)
-        masks = self._masks(slots, start + T, first_valid, segments)
-        for block in self.blocks:
-            x = block(x, rope, masks, cache)
-        if cache is not None:
-            cache.advance(T)
-        return self.norm_f(x)  # (B, T, C)
+        return self.drop(x)
 
-    def _masks(
+    def rope_at(self, pos: Tensor, start: int = 0) -> tuple[Tensor, Tensor] | None:
+        """RoPE's (cos, sin) at positions pos: (T, D) for pos = start.., (B, 1, T, D) for (B, T)."""
+        if self.cfg.pos_emb != "rope":
+            return None
+        cos, sin = self.rope_cos, self.rope_sin
+        if (n := dynamic_rope_length(self.cfg, pos)) is not None:  # NTK: this length's freqs
+            cos, sin = rope_tables(self.cfg, pos.device, seq_len=n)
+        if pos.dim() == 1:  # the same positions in every row
+            span = slice(start, start + pos.numel())
+            return cos[span], sin[span]  # (T, D)
+        return cos[pos][:, None], sin[pos][:, None]  # (B, 1, T, D)
+
+    def run_blocks(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        masks: dict[int | None, Tensor | None],
+        cache: AttentionCache | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> Tensor:
+        """Blocks start..stop-1 (every block by default) over the residual stream x (B, T, C)."""
+        for i in range(start, len(self.blocks) if stop is None else stop):
+            x = self.blocks[i](x, rope, masks, cache)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """The residual stream after the last block (..., C) -> logits (..., vocab_size)."""
+        return self.logits(self.norm_f(x))
+
+    def attention_masks(
         self, slots: Tensor, n_keys: int, first_valid: Tensor | None, segments: Tensor | None
     ) -> dict[int | None, Tensor | None]:
         """An attention mask per distinct layer window; None where plain causal attention will do."""

@@ -19,6 +19,7 @@ import torch
 
 from kiln import __version__
 from kiln.chat.tokens import with_chat_tokens
+from kiln.checkpoint_format import read_state
 from kiln.errors import KilnError
 from kiln.io import sha256_file, write_json_atomic
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
@@ -65,7 +66,7 @@ def grow_vocab(model: Transformer, old_ids: list[int], new_ids: list[int]) -> Tr
 def _source_state(path: Path, loaded: LoadedModel) -> dict[str, Any]:
     """The source checkpoint's state.json, or a minimal one for an HF model folder."""
     if folder_kind(path) != "hf":
-        return ckpt.read_state(find_checkpoint(path))
+        return read_state(find_checkpoint(path))
     return {"step": 0, "tokens": 0, "config": {"model": loaded.model.cfg.to_dict()}}
 
 

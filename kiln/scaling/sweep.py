@@ -250,7 +250,7 @@ def run_sweep(out: str | Path, progress: bool = True) -> list[dict[str, Any]]:
 
 def train_one(out: Path, run: SweepRun) -> dict[str, Any]:
     """Train one run of the sweep in this process (as `kiln train` would) and report it."""
-    from kiln.train.checkpoint import latest_checkpoint
+    from kiln.checkpoint_format import latest_checkpoint
     from kiln.train.trainer import Trainer
 
     cfg = load_train_config(out / "configs" / f"{run.name}.toml")

@@ -133,3 +133,23 @@ class TimeBudget:
             f"time budget: step time {before:.3g} -> {rate:.3g} s, re-planned to "
             f"{self.planned:,} steps{capped}"
         )
+
+
+def intro_line(budget: TimeBudget, max_steps: int, trained: float) -> str:
+    """What a budgeted run says before its first step."""
+    cap = f", at most {max_steps:,} steps" if budget.cap else ""
+    done = f"; {format_seconds(trained)} already trained" if trained else ""
+    return (
+        f"time budget {format_seconds(budget.seconds)} of training{cap}{done}: steps are "
+        "planned from the measured step time so the lr schedule ends on time (evaluation, "
+        "sampling and checkpoints are not counted)"
+    )
+
+
+def summary_line(budget: TimeBudget, trained: float, steps: int, other: float) -> str:
+    """What a budgeted run says at its end (`other`: seconds outside the training steps)."""
+    return (
+        f"time budget: {format_seconds(trained)} of {format_seconds(budget.seconds)} trained, "
+        f"{steps:,} steps (evaluation, sampling and checkpoints took {format_seconds(other)} "
+        "more, not counted)"
+    )

@@ -132,8 +132,8 @@ def run_export(args: argparse.Namespace) -> int:
     # killed export had moved aside is back in place first).
     remove_abandoned_exports(Path(args.hf))
     check_can_replace_dir(Path(args.hf), args.force, is_export_dir, EXPORT_KIND)
+    from kiln.checkpoint_format import is_sharded_checkpoint
     from kiln.loading import find_checkpoint
-    from kiln.train.sharded_checkpoint import is_sharded_checkpoint
 
     # A sharded checkpoint is converted tensor by tensor: the model is never loaded whole.
     sharded = is_sharded_checkpoint(find_checkpoint(args.run, args.step))
@@ -223,10 +223,6 @@ def train_and_report(
         f"{c.batch.micro_batch} × {c.data.seq_len} × {trainer.dist.world_size} rank(s); "
         f"{_length(c)}; run in {run_dir}"
     )
-    from kiln.scaling.preflight import check as memory_preflight
-
-    for line in memory_preflight(trainer):  # a run that would not fit stops here, with advice
-        say(f"kiln train: {line}")
     if args.resume:
         say(f"kiln train: resuming at step {trainer.step:,} ({trainer.tokens:,} tokens seen)")
         for note in trainer.notes:
@@ -325,7 +321,7 @@ def _length(cfg: Any) -> str:
 
 def _checkpoint_note(result: Any, trainer: Any) -> str:
     """Which checkpoint holds the result: the one saved now, else the one resumed from."""
-    from kiln.train.checkpoint import latest_checkpoint
+    from kiln.checkpoint_format import latest_checkpoint
 
     path = result.checkpoint or latest_checkpoint(trainer.checkpoints)
     return f"checkpoint {path}" if path is not None else "no checkpoint saved"

@@ -2,12 +2,8 @@
 
 torchrun starts one process per device and tells each its place in RANK, WORLD_SIZE and
 LOCAL_RANK (plus MASTER_ADDR/MASTER_PORT for the rendezvous). `DistInfo.from_env` reads them and
-`join_from_env` joins the group for the life of the process (nccl on CUDA, gloo on the CPU);
-`parallelize` wraps the model from outside, in torchtitan's order: with several processes,
-compile each block (if train.compile), then data parallelism over the whole model —
-DistributedDataParallel ("ddp", every rank holds all weights) or FSDP2 ("fsdp", `fully_shard`
-per block then the root on a 1-D DeviceMesh, every rank holds a 1/world_size shard). One
-process trains the model as it is (compiled whole if train.compile).
+`join_from_env` joins the group for the life of the process (nccl on CUDA, gloo on the CPU).
+How the model is spread over the processes is parallelize.py's (and parallel_plan.py's).
 
 The small collectives the loop needs (mean or sum of a tensor across ranks, gathering per-rank
 objects, agreeing on a stop) are here too, so trainer.py reads the same with one process or many.
@@ -23,10 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch import nn
 
 from kiln.errors import KilnError
-from kiln.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -98,86 +92,6 @@ def join_from_env(device: torch.device, dist: DistInfo) -> None:
     if dist.world_size > 1 and not tdist.is_initialized():
         init_process_group(dist, device)
         atexit.register(destroy_process_group)
-
-
-# ---- parallelising the model ---------------------------------------------------------------
-
-
-def parallel_mode(cfg: TrainConfig, dist: DistInfo) -> str:
-    """The parallelism used: "mesh" ([parallel], parallelize.py), else "none" on one process,
-    else train.parallel ("auto": ddp). The [parallel] sizes are checked against the world size.
-    """
-    mode = cfg.train.parallel
-    if cfg.parallel.multi_dim or mode == "mesh" or cfg.parallel.dp_shard != -1:
-        cfg.parallel.shape(dist.world_size)  # one clear error when the sizes do not multiply out
-    if cfg.parallel.multi_dim or mode == "mesh":
-        if mode in ("ddp", "none"):
-            raise KilnError(
-                f"[parallel] asks for tp, pp or dp_replicate > 1, which train.parallel = {mode!r} "
-                "cannot do; use 'auto' or 'mesh'"
-            )
-        return "mesh"
-    if dist.world_size == 1:
-        return "none"
-    if mode == "none":
-        raise KilnError(
-            f"train.parallel = 'none' with {dist.world_size} processes would train "
-            f"{dist.world_size} unrelated models; use 'ddp' or 'fsdp' (or 'auto')"
-        )
-    return "ddp" if mode == "auto" else mode
-
-
-def parallelize(model: nn.Module, cfg: TrainConfig, dist: DistInfo) -> nn.Module:
-    """The module to train: `model` compiled (if asked) and wrapped for data parallelism.
-
-    With one process this is the single-process path (the whole model compiled when
-    train.compile is set). With several, compile goes per block first (so FSDP's hooks and
-    DDP's bucketing stay outside the compiled graphs, as torchtitan does), then DDP or FSDP2.
-    FSDP2 changes `model` in place (its parameters become DTensor shards) and returns it.
-    """
-    mode = parallel_mode(cfg, dist)
-    if mode == "none":
-        return torch.compile(model) if cfg.train.compile else model
-    if cfg.train.compile:
-        for block in _blocks(model):
-            block.compile()  # in place: parameter names and the module tree are unchanged
-    if mode == "ddp":
-        return apply_ddp(model, dist)
-    return apply_fsdp(model, dist)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a kiln Transformer (the units FSDP shards and compile traces)."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise KilnError(f"{type(model).__name__} has no `blocks` ModuleList to parallelise")
-    return list(blocks)
-
-
-def apply_ddp(model: nn.Module, dist: DistInfo) -> nn.Module:
-    """DistributedDataParallel over all ranks (gradients averaged in buckets during backward)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = next(model.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
-
-
-def apply_fsdp(model: nn.Module, dist: DistInfo) -> nn.Module:
-    """FSDP2: each block its own shard group (gathered only while it runs), then the root.
-
-    The root group holds the embeddings, final norm and head; a tied head is the embedding's own
-    Parameter, so both live in that one group and stay tied.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.world_size,), mesh_dim_names=("dp",))
-    for block in _blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 # ---- collectives the loop needs --------------------------------------------------------------

@@ -19,13 +19,12 @@ from typing import Any
 
 from kiln import __version__
 from kiln.chat import CHAT_TOKENS, chat_template_of
+from kiln.checkpoint_format import SHARDED_DIR, is_sharded_checkpoint
 from kiln.errors import KilnError
 from kiln.folders import abandoned_by, check_can_replace_dir, remove_entry
 from kiln.io import write_json_atomic
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.tokenizer import Tokenizer
-from kiln.train.checkpoint import SHARDED_DIR
-from kiln.train.sharded_checkpoint import is_sharded_checkpoint
 from kiln.train.sharded_export import save_sharded_hf_dir
 
 EXPORT_KIND = "a kiln export (no kiln_export.json)"  # the only kind of folder --force replaces

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from kiln.errors import KilnError
 from kiln.model.config import ModelConfig
 from kiln.train.config import TrainConfig
+from kiln.train.distributed import DistInfo
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -113,28 +114,18 @@ def _check_model_fits_mesh(cfg: TrainConfig, shape: dict[str, int]) -> None:
 def _check_mesh_supports(model: ModelConfig, shape: dict[str, int]) -> None:
     """Refuse, in one line, what the mesh path does not split or the pipeline stage does not run.
 
-    The mesh splits dense GQA attention and dense MLPs; a pipeline stage runs the blocks of a
-    GPT-2 / Llama-style model, without the embedding scale, sinusoidal or dynamic positions, µP's
-    head multiplier or MoE's auxiliary losses (kiln/train/pipeline.py).
+    The mesh splits dense GQA attention and dense MLPs; a pipeline stage runs the model's own
+    embedding, blocks and head (kiln/train/pipeline.py), all but MoE's auxiliary losses.
     """
     if model.mla is not None:
         raise KilnError("the [parallel] mesh does not split MLA attention (model.mla) yet; train "
                         "it with train.parallel = 'ddp' or 'fsdp'")  # fmt: skip
     if model.moe is not None and shape["tp"] > 1:
         raise KilnError("parallel.tp > 1 does not split MoE experts (model.moe) yet; use tp = 1")
-    if shape["pp"] > 1:
-        unsupported = {
-            "model.moe": model.moe is not None,
-            "model.embed_scale": model.embed_scale,
-            "model.pos_emb = 'sinusoidal'": model.pos_emb == "sinusoidal",
-            "model.mup_base_width": model.mup_base_width is not None,
-            "model.rope_scaling (dynamic)": getattr(model.rope_scaling, "type", None) == "dynamic",
-            "model.attn_sinks": model.attn_sinks,
-        }
-        named = [name for name, on in unsupported.items() if on]
-        if named:
-            raise KilnError(f"parallel.pp > 1 does not run {', '.join(named)} yet (the pipeline "
-                            "stage runs GPT-2/Llama-style blocks); use pp = 1")  # fmt: skip
+    if shape["pp"] > 1 and model.moe is not None:  # the stages run the model's own code, but
+        # the schedule's loss sees only the last stage's logits, not every block's balancing loss
+        raise KilnError("parallel.pp > 1 does not collect model.moe's load-balancing loss across "
+                        "stages yet; use pp = 1")  # fmt: skip
 
 
 # ---- 1. split fused projections ---------------------------------------------------------------
@@ -286,13 +277,27 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module]) -> None:
 # ---- 5. FSDP2 / HSDP ----------------------------------------------------------------------------
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, head)."""
+def apply_fsdp(model: nn.Module, dp_mesh: Any) -> nn.Module:
+    """FSDP2: each block its own shard group (gathered only while it runs), then the root.
+
+    The root group holds the embeddings, final norm and head; a tied head is the embedding's own
+    Parameter, so both live in that one group and stay tied. In place; returns `model`.
+    """
     from torch.distributed.fsdp import fully_shard
 
     for block in blocks_of(model):
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """DistributedDataParallel over all ranks (gradients averaged in buckets during backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
 
 
 def dp_mesh_of(mesh: Mesh) -> Any:
@@ -331,6 +336,54 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     raise KilnError(f"{type(model).__name__} has no `blocks` to parallelise")
 
 
+# ---- 1-D data parallelism (train.parallel = "ddp" / "fsdp"), one process --------------------
+
+
+def parallel_mode(cfg: TrainConfig, dist: DistInfo) -> str:
+    """The parallelism used: "mesh" ([parallel], above), else "none" on one process, else
+    train.parallel ("auto": ddp). The [parallel] sizes are checked against the world size.
+    """
+    mode = cfg.train.parallel
+    if cfg.parallel.multi_dim or mode == "mesh" or cfg.parallel.dp_shard != -1:
+        cfg.parallel.shape(dist.world_size)  # one clear error when the sizes do not multiply out
+    if cfg.parallel.multi_dim or mode == "mesh":
+        if mode in ("ddp", "none"):
+            raise KilnError(
+                f"[parallel] asks for tp, pp or dp_replicate > 1, which train.parallel = {mode!r} "
+                "cannot do; use 'auto' or 'mesh'"
+            )
+        return "mesh"
+    if dist.world_size == 1:
+        return "none"
+    if mode == "none":
+        raise KilnError(
+            f"train.parallel = 'none' with {dist.world_size} processes would train "
+            f"{dist.world_size} unrelated models; use 'ddp' or 'fsdp' (or 'auto')"
+        )
+    return "ddp" if mode == "auto" else mode
+
+
+def parallelize_1d(model: nn.Module, cfg: TrainConfig, mode: str, world_size: int) -> nn.Module:
+    """The module to train for mode "none", "ddp" or "fsdp": compiled (if asked) and wrapped.
+
+    One process trains the model as it is (compiled whole when train.compile is set). With
+    several, compile goes per block first (so FSDP's hooks and DDP's bucketing stay outside the
+    compiled graphs, as torchtitan does), then DDP or FSDP2 on a 1-D mesh; FSDP2 changes `model`
+    in place (its parameters become DTensor shards) and returns it.
+    """
+    if mode == "none":
+        return torch.compile(model) if cfg.train.compile else model
+    if cfg.train.compile:
+        for block in blocks_of(model):
+            block.compile()  # in place: parameter names and the module tree are unchanged
+    if mode == "ddp":
+        return apply_ddp(model)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(model.parameters()).device
+    return apply_fsdp(model, init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",)))
+
+
 # ---- numbers across the mesh ----------------------------------------------------------------
 
 
@@ -356,12 +409,17 @@ def grad_norm(params: list[nn.Parameter], mesh: Mesh) -> Tensor:
     for p in params:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    square = torch.zeros((), dtype=torch.float32)
+    norms = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        square = square + norm.detach().float().cpu() ** 2
+        norms.append(norm.detach().float().cpu())
+    if len(norms) == 1 and mesh.size("pp") == 1:
+        return norms[0]  # one group (one process, DDP, 1-D FSDP): its norm as torch made it
+    square = torch.zeros((), dtype=torch.float32)
+    for norm in norms:
+        square = square + norm**2
     if mesh.size("pp") > 1:
         device = params[0].device if params else torch.device("cpu")
         square = square.to(device)
@@ -384,7 +442,7 @@ def loss_ranks_sum(local: Tensor, mesh: Mesh) -> float:
     """The sum of `local` over the ranks that own a loss (one per data-parallel rank)."""
     value = local.detach().float().reshape(1) if mesh.owns_loss else torch.zeros(1)
     value = value.to(local.device)
-    if mesh.device_mesh is not None:
+    if math.prod(mesh.shape.values()) > 1:
         tdist.all_reduce(value)
     return value.item()
 

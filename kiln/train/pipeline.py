@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from kiln.errors import KilnError
-from kiln.model.attention import attention_mask
+from kiln.model.loss import logits_loss
+from kiln.model.transformer import Transformer
 from kiln.train.config import TrainConfig
 from kiln.train.parallelize import Mesh, parallelize_mesh
 
@@ -70,12 +71,19 @@ def balanced_ranges(
 
 
 class StageModule(nn.Module):
-    """Some consecutive blocks of a Transformer (with its embeddings first, its head last)."""
+    """Some consecutive blocks of a Transformer (with its embeddings first, its head last).
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+    It holds the model's own submodules under the model's names and runs them with the model's
+    own code (`embed`, `run_blocks`, `head`): a stage computes what the same layers compute in
+    the unsplit model, whatever the model's switches.
+    """
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        self.cfg = model.cfg
-        self.first, self.last = first, last
+        object.__setattr__(
+            self, "model", model
+        )  # its code, not a submodule: names stay the model's
+        self.layers, self.first, self.last = layers, first, last
         self.seq_shards = 1  # > 1 when sequence parallelism splits the hidden states on T
         if first:
             self.wte, self.drop = model.wte, model.drop
@@ -84,48 +92,19 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if last:
             self.norm_f, self.lm_head = model.norm_f, model.lm_head
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """Token ids (B, T) on the first stage, else hidden states -> hidden states or logits."""
+        model: Transformer = self.model
+        T = x.size(1) if self.first else x.size(1) * self.seq_shards
+        pos = torch.arange(T, device=x.device)  # (T,)
         if self.first:
-            T = x.size(1)
-            pos = torch.arange(T, device=x.device)  # (T,)
-            x = self.wte(x)  # (B, T, C)
-            if getattr(self, "wpe", None) is not None:
-                x = x + self.wpe(pos)
-            x = self.drop(x)
-        else:
-            T = x.size(1) * self.seq_shards
-        rope = None
-        if self.cfg.pos_emb == "rope":
-            rope = (self.rope_cos[:T], self.rope_sin[:T])  # (T, D)
-        slots = torch.arange(T, device=x.device)
-        windows = {b.attn.window for b in self.blocks.values()}
-        masks = {
-            w: None if w is None or w >= T else attention_mask(slots, T, w, None) for w in windows
-        }
-        for block in self.blocks.values():
-            x = block(x, rope, masks)
-        if not self.last:
-            return x
-        logits = self.lm_head(self.norm_f(x))[..., : self.cfg.vocab_size]  # (B, T, V)
-        if self.cfg.logit_softcap is not None:
-            c = self.cfg.logit_softcap
-            logits = c * torch.tanh(logits / c)
-        return logits
-
-
-def logits_loss(logits: Tensor, targets: Tensor, z_loss: float) -> Tensor:
-    """Mean cross-entropy (+ z_loss · logsumexp²) of logits (B, T, V); targets < 0 ignored."""
-    s = logits.float().reshape(-1, logits.size(-1))  # (N, V)
-    y = targets.reshape(-1)
-    valid = y >= 0
-    lse = torch.logsumexp(s, dim=-1)  # (N,)
-    picked = s.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
-    per_token = lse - picked + z_loss * lse.square()
-    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+            x = model.embed(x, pos)  # (B, T, C)
+        masks = model.attention_masks(pos, T, None, None)
+        x = model.run_blocks(
+            x, model.rope_at(pos), masks, None, self.layers.start, self.layers.stop
+        )
+        return model.head(x) if self.last else x  # (B, T, V) logits on the last stage
 
 
 class RankModules(nn.Module):
@@ -133,6 +112,7 @@ class RankModules(nn.Module):
 
     def __init__(self, stages: list[StageModule]) -> None:
         super().__init__()
+        self.cfg = stages[0].model.cfg  # the optimizer reads it (µP's per-role learning rates)
         self.blocks = nn.ModuleDict()
         for stage in stages:
             for name, child in stage.named_children():
@@ -186,8 +166,23 @@ def stages_per_rank(cfg: TrainConfig) -> int:
     return n
 
 
+def release_others(model: Transformer, layers: list[range], first: bool, last: bool) -> None:
+    """Free the model's parts that other pipeline ranks run (to the meta device, in place).
+
+    The stages run the model's own code, so it stays; its weights elsewhere need no memory here.
+    """
+    kept = {i for r in layers for i in r}
+    for i, block in enumerate(model.blocks):
+        if i not in kept:
+            block.to("meta")
+    outer = ([] if first else [model.wte, model.wpe]) + ([] if last else [model.lm_head])
+    for module in outer:
+        if module is not None:
+            module.to("meta")
+
+
 def build_pipeline(
-    model: nn.Module, cfg: TrainConfig, mesh: Mesh, microbatches: int
+    model: Transformer, cfg: TrainConfig, mesh: Mesh, microbatches: int
 ) -> tuple[nn.Module, PipelineRunner]:
     """(this rank's stages as one module, the runner of one pipeline step)."""
     from torch.distributed.pipelining import PipelineStage
@@ -225,6 +220,7 @@ def build_pipeline(
         stages.append(
             PipelineStage(module, index, n_stages, device, group=mesh.sub("pp").get_group())
         )
+    release_others(model, [ranges[i] for i in mine], 0 in mine, n_stages - 1 in mine)
     z = model.cfg.z_loss
 
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,12 @@ from kiln.model import Transformer
 from kiln.model.generate import generate
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.user_text import encode_user_text
+from kiln.train.distributed import DistInfo
+from kiln.train.parallelize import parallel_mode
+
+if TYPE_CHECKING:
+    from kiln.train.config import TrainConfig
+    from kiln.train.sources import TrainData
 
 TEMPERATURE = 0.8
 TOP_K = 50
@@ -116,6 +122,27 @@ class ContinuationSampler:
             finally:
                 model.train(was_training)
         return records
+
+
+def eval_sampler(cfg: TrainConfig, dist: DistInfo, data: TrainData) -> ContinuationSampler | None:
+    """The eval-step sampler on rank 0, or None (sampling off, sharded weights, no tokenizer).
+
+    Rank 0 decodes alone with the unwrapped model, which needs every weight on rank 0: with FSDP
+    or a multi-process mesh each rank holds a part, so samples are skipped there, with one
+    warning.
+    """
+    ev = cfg.eval
+    if not dist.is_main or ev.sample_tokens <= 0 or not ev.sample_prompts:
+        return None
+    mode = parallel_mode(cfg, dist)
+    if mode == "fsdp" or (mode == "mesh" and dist.world_size > 1):
+        warnings.warn(
+            f"eval samples skipped: not supported with train.parallel = {mode!r} (sample from "
+            "a checkpoint instead, or set eval.sample_tokens = 0 to silence this)",
+            stacklevel=3,
+        )
+        return None
+    return data.sampler(ev, cfg.train.seed)
 
 
 def format_sample(record: dict[str, Any]) -> str:

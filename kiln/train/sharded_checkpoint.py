@@ -29,15 +29,11 @@ from typing import Any
 import torch.distributed as tdist
 from torch import nn
 
+from kiln.checkpoint_format import SHARDED_DIR, is_sharded_checkpoint, step_dir
 from kiln.errors import KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train import distributed
 from kiln.train.distributed import DistInfo
-
-
-def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether checkpoint directory `path` is in DCP's sharded format."""
-    return (path / ckpt.SHARDED_DIR / ".metadata").is_file()
 
 
 def _options() -> Any:
@@ -90,7 +86,7 @@ def save(
     finish_pending(dist)
     import torch.distributed.checkpoint as dcp
 
-    final = ckpt.step_dir(checkpoints, state.step)
+    final = step_dir(checkpoints, state.step)
     pid = _main_pid(dist)  # one temp name for all ranks: rank 0's, as clean_leftovers expects
     tmp = checkpoints / f".tmp-{final.name}-{pid}"
     if dist.is_main:
@@ -100,7 +96,7 @@ def save(
     if dist.is_main:
         assert rngs is not None
         state.rng = {str(rank): rng for rank, rng in enumerate(rngs)}
-    target = tmp / ckpt.SHARDED_DIR
+    target = tmp / SHARDED_DIR
     if background:
         future = dcp.async_save(state_dicts(model, optimizer), checkpoint_id=str(target))
         _pending = _Pending(future, tmp, final, state, scheduler, keep_last)
@@ -154,10 +150,10 @@ def load(path: Path, model: nn.Module, optimizer: Any) -> None:
         )
     sd = state_dicts(model, optimizer)  # templates: DCP loads into them in place
     try:
-        dcp.load(sd, checkpoint_id=str(path / ckpt.SHARDED_DIR))
+        dcp.load(sd, checkpoint_id=str(path / SHARDED_DIR))
     except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KilnError(f"{path}/{ckpt.SHARDED_DIR} does not match the model: {first}") from None
+        raise KilnError(f"{path}/{SHARDED_DIR} does not match the model: {first}") from None
     opts = _options()
     set_model_state_dict(model, sd["model"], options=opts)
     set_optimizer_state_dict(model, list(optimizer), sd["optim"], options=opts)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kiln import checkpoint_format as ckpt
 from kiln.data import Dataset, Loader, LoaderCursor
 from kiln.errors import KilnError
-from kiln.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from kiln.train.config import EvalConfig

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.checkpoint_format import dataset_fingerprint
 from kiln.cli import main
 from kiln.data.manifest import Manifest
 from kiln.eval.lm import bits_per_byte, val_loss
@@ -14,7 +15,7 @@ from kiln.eval.scoring import Scorer
 from kiln.loading import load_model
 from kiln.model.hf import save_hf_dir
 from kiln.tokenizer import Tokenizer
-from kiln.train.checkpoint import TrainState, dataset_fingerprint, save_checkpoint
+from kiln.train.checkpoint import TrainState, save_checkpoint
 from kiln.train.export import write_hf_tokenizer
 
 from .conftest import EOT, random_tiny

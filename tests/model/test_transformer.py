@@ -15,7 +15,7 @@ from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer, attention
 from kiln.model.attention_maps import attention_maps
 from kiln.model.generate import generate
-from kiln.model.loss import lm_loss
+from kiln.model.loss import lm_loss, logits_loss
 from tests.model.helpers import build, gpt2_small, llama_small
 
 FAMILIES = {
@@ -136,6 +136,23 @@ def test_z_loss_adds_its_weight_times_mean_squared_logsumexp() -> None:
     torch.testing.assert_close(base(idx, targets), ce)
     torch.testing.assert_close(with_z(idx, targets), ce + 1e-2 * lse.square().mean())
     assert with_z(idx, targets) > base(idx, targets)
+
+
+@pytest.mark.parametrize("switches", [{}, {"logit_softcap": 2.0, "z_loss": 1e-2},
+                                      {"mup_base_width": 32, "embed_scale": True}])  # fmt: skip
+def test_the_models_parts_compose_to_its_forward_and_loss(switches: dict) -> None:
+    # a pipeline stage runs these parts (embed, run_blocks, head) and logits_loss on its own
+    model = build(llama_small(**switches))
+    idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    targets[0, :3] = -1  # ignored targets
+    pos = torch.arange(16)
+    x = model.embed(idx, pos)
+    masks = model.attention_masks(pos, 16, None, None)
+    x = model.run_blocks(x, model.rope_at(pos), masks, None, 0, 1)
+    x = model.run_blocks(x, model.rope_at(pos), masks, None, 1, None)  # the rest, as stage 2
+    logits = model.head(x)
+    torch.testing.assert_close(logits, model(idx))
+    torch.testing.assert_close(logits_loss(logits, targets, model.cfg.z_loss), model(idx, targets))
 
 
 def test_softcap_bounds_logits_as_c_tanh_of_raw() -> None:

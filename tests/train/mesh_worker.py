@@ -91,7 +91,8 @@ def train_once(run: dict[str, Any], out: Path) -> None:
 
 def _raise_in_last_stage(trainer: Trainer, step: int) -> None:
     """Make the last pipeline rank's stages raise in the forward of step `step`."""
-    if trainer.mesh is None or trainer.mesh.rank("pp") != trainer.mesh.size("pp") - 1:
+    mesh = trainer.plan.mesh
+    if mesh.rank("pp") != mesh.size("pp") - 1:
         return
     for module in trainer.model.blocks.values():
         inner = module.forward

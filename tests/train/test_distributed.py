@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from kiln.errors import KilnError
 from kiln.train.config import ConfigError, load_train_config
-from kiln.train.distributed import DistInfo, parallel_mode
+from kiln.train.distributed import DistInfo
+from kiln.train.parallelize import parallel_mode
 from kiln.train.trainer import Trainer
 
 from .conftest import CONFIGS, MakeConfig

@@ -18,7 +18,8 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.train.config import ConfigError, load_train_config
-from kiln.train.distributed import DistInfo, parallel_mode
+from kiln.train.distributed import DistInfo
+from kiln.train.parallelize import parallel_mode
 from kiln.train.pipeline import balanced_ranges
 from kiln.train.trainer import Trainer
 
@@ -31,6 +32,11 @@ STEPS = 4
 # Pipeline runs: 4 blocks (2 stages per rank for interleaved 1F1B), an untied head (the
 # embedding and head live on different stages), micro-batches of 1 (4 per pipeline step).
 PP = ["model.n_layer=4", "model.tie_embeddings=false", "batch.micro_batch=1", "eval.batches=0"]
+# The stage runs the model's own embed / blocks / head: the switches they hold work there too.
+PP_SWITCHES = [*PP, "model.embed_scale=true", "model.attn_sinks=true", "model.mup_base_width=32",
+               "model.rope_scaling.type=dynamic", "model.rope_scaling.factor=2.0",
+               "model.rope_scaling.original_max_seq_len=16"]  # fmt: skip
+PP_SINUSOIDAL = [*PP, "model.pos_emb=sinusoidal"]
 MESH_RUNS: dict[str, list[str]] = {
     "tp2_dp2": ["parallel.tp=2"],
     "tp2_dp2_no_sp": ["parallel.tp=2", "parallel.sequence_parallel=false"],
@@ -39,9 +45,13 @@ MESH_RUNS: dict[str, list[str]] = {
     "pp_1f1b": [*PP, "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp_interleaved": [*PP, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
     "tp2_pp2": [*PP, "parallel.pp=2", "parallel.tp=2"],
+    "pp_switches": [*PP_SWITCHES, "parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp_sinusoidal": [*PP_SINUSOIDAL, "parallel.pp=2"],
     "dp4": ["train.parallel=mesh", "checkpoint.every=2", "checkpoint.keep_last=3"],
 }  # fmt: skip
-PP_RUNS = ("pp_gpipe", "pp_1f1b", "pp_interleaved", "tp2_pp2")
+# The one-process run each mesh run is compared with (default: "plain").
+REFERENCE = {"pp_gpipe": "pp", "pp_1f1b": "pp", "pp_interleaved": "pp", "tp2_pp2": "pp",
+             "pp_switches": "pp_switches", "pp_sinusoidal": "pp_sinusoidal"}  # fmt: skip
 
 
 def _torchrun(args: list[str], nproc: int = 4, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -97,7 +107,8 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 def references(tiny_dataset: Path, mesh_runs: Path) -> dict[str, Path]:
     """One process, the same global batches: the tiny model and the pipeline runs' model."""
     out = {}
-    for name, sets in (("plain", []), ("pp", PP)):
+    for name, sets in (("plain", []), ("pp", PP), ("pp_switches", PP_SWITCHES),
+                       ("pp_sinusoidal", PP_SINUSOIDAL)):  # fmt: skip
         run = mesh_runs / f"single_{name}"
         cfg = load_train_config(CONFIGS / "tiny.toml", [*_base(tiny_dataset, run), *sets])
         trainer = Trainer(cfg, run)
@@ -112,7 +123,7 @@ def references(tiny_dataset: Path, mesh_runs: Path) -> dict[str, Path]:
 def test_mesh_run_matches_one_process(
     name: str, mesh_runs: Path, references: dict[str, Path]
 ) -> None:
-    ref = "pp" if name in PP_RUNS else "plain"
+    ref = REFERENCE.get(name, "plain")
     mesh, single = _records(mesh_runs / name), _records(references[ref])
     assert [r["step"] for r in mesh] == [r["step"] for r in single] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "val_loss"):
@@ -169,7 +180,7 @@ def test_resume_in_one_process(mesh_runs: Path, make_config: MakeConfig, tmp_pat
     start_from(mesh_runs / "dp4", 2, run)
     cfg = make_config(*_base(mesh_runs, run)[3:], *MESH_RUNS["dp4"], run="one")
     trainer = Trainer(cfg, run, resume=True)
-    assert trainer.step == 2 and trainer.mesh is not None and trainer.accum == 4
+    assert trainer.step == 2 and trainer.plan.mode == "mesh" and trainer.accum == 4
     result = trainer.run()
     straight = _records(mesh_runs / "dp4")
     assert result.losses == pytest.approx([r["loss"] for r in straight][2:], **TOL)

@@ -27,7 +27,7 @@ def test_auto_is_resolved_once_said_and_recorded_in_the_run(
     cfg = make_config("train.dtype=auto", "train.max_steps=2", "eval.every=0")
     trainer = Trainer(cfg, cfg.logging.run_dir)
     assert trainer.precision.name == "fp32"
-    with trainer._autocast():
+    with trainer.autocast():
         assert not torch.is_autocast_enabled("cpu")
     trainer.run()
     out = capsys.readouterr().out
@@ -50,7 +50,7 @@ def test_auto_picks_bf16_autocast_where_the_cpu_has_it(
     cfg = make_config("train.dtype=auto", "train.max_steps=1", "eval.batches=0")
     trainer = Trainer(cfg, cfg.logging.run_dir)
     assert trainer.precision.name == "bf16" and trainer.precision.warning is None
-    with trainer._autocast():
+    with trainer.autocast():
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 

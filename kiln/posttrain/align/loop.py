@@ -16,19 +16,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kiln.config import require
-from kiln.model.config import ModelConfig
-from kiln.train.checkpoint import (
-    TrainState,
-    capture_rng,
+from kiln.checkpoint_format import (
     latest_checkpoint,
     load_model_tensors,
     read_optimizer,
     read_state,
-    restore_rng,
-    save_checkpoint,
     unique_tensors,
 )
+from kiln.config import require
+from kiln.model.config import ModelConfig
+from kiln.train.checkpoint import TrainState, capture_rng, restore_rng, save_checkpoint
 from kiln.train.metrics import MetricsLog
 
 

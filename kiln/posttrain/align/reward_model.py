@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kiln.checkpoint_format import load_model_tensors
 from kiln.config import require
 from kiln.loading import load_checkpoint_model
 from kiln.model.transformer import Transformer
 from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun, epoch_slice
-from kiln.train.checkpoint import load_model_tensors
 
 
 class ScalarHead(nn.Module):

@@ -21,6 +21,7 @@ import torch
 
 from kiln import config as cfgio
 from kiln.chat import render, require_chat_template
+from kiln.checkpoint_format import config_differences, latest_checkpoint, read_state
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import remove_dir
@@ -32,7 +33,6 @@ from kiln.posttrain.align.reward_model import RewardConfig, load_reward_model, s
 from kiln.posttrain.align.rl import RLConfig
 from kiln.posttrain.chat_data import read_manifest, split_file
 from kiln.posttrain.tasks import score
-from kiln.train.checkpoint import config_differences, latest_checkpoint, read_state
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.checkpoint_format import latest_checkpoint
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.posttrain.align.reward_model import (
@@ -19,7 +20,6 @@ from kiln.posttrain.align.reward_model import (
     pairwise_accuracy,
     score_sequences,
 )
-from kiln.train.checkpoint import latest_checkpoint
 from tests.fixtures import single_torch_thread
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)

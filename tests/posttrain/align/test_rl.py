@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.checkpoint_format import latest_checkpoint
 from kiln.config import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.transformer import Transformer
 from kiln.posttrain.align.rl import RLConfig, RLTrainer
-from kiln.train.checkpoint import latest_checkpoint
 from tests.fixtures import single_torch_thread
 
 _one_thread = pytest.fixture(autouse=True)(single_torch_thread)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.errors import KilnError
 from kiln.model import ModelConfig
-from kiln.scaling import preflight
-from kiln.scaling.preflight import in_flight, rank_memory
+from kiln.train import preflight
 from kiln.train.config import TrainConfig, load_train_config
+from kiln.train.preflight import in_flight, rank_memory
+from tests.train.conftest import MakeConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -56,31 +58,37 @@ def test_pipeline_schedules_hold_different_numbers_of_micro_batches() -> None:
     assert one_f.parameters < rank_memory(MODEL, _cfg(), _shape(), "fp32", 1).parameters
 
 
-class _Trainer:
-    """What `preflight.check` reads of a Trainer."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        from kiln.devices import Precision
-        from kiln.train.distributed import DistInfo
-
-        self.cfg, self.model_cfg, self.mesh, self.dist = cfg, MODEL, None, DistInfo()
-        self.precision = Precision("fp32", "fp32", "asked for")
-        import torch
-
-        self.device = torch.device("cpu")
+def _check(cfg: TrainConfig) -> list[str]:
+    return preflight.check(MODEL, cfg, _shape(), "fp32", torch.device("cpu"))
 
 
 def test_a_run_that_would_not_fit_stops_with_what_to_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**30, "a small device"))
-    lines = preflight.check(_Trainer(_cfg("batch.micro_batch=1")))
+    lines = _check(_cfg("batch.micro_batch=1"))
     assert "predicted peak" in lines[0] and "of 1.00 GiB (a small device)" in lines[0]
     with pytest.raises(
         KilnError, match=r"would not fit \(activations is the largest part\); lower batch\.micro"
     ):
-        preflight.check(_Trainer(_cfg("batch.micro_batch=256", "data.seq_len=64")))
+        _check(_cfg("batch.micro_batch=256", "data.seq_len=64"))
     monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**20, "a tiny device"))
     with pytest.raises(KilnError, match="shard more"):
-        preflight.check(_Trainer(_cfg("batch.micro_batch=1")))
-    assert preflight.check(_Trainer(_cfg("batch.micro_batch=1", "train.memory_check=false")))
+        _check(_cfg("batch.micro_batch=1"))
+    assert _check(_cfg("batch.micro_batch=1", "train.memory_check=false"))
+
+
+def test_every_trainer_checks_memory_before_it_allocates_the_model(
+    make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the Trainer runs it, so kiln train, kiln sft, kiln demo and the bench scripts all do
+    from kiln.train import trainer as trainer_module
+
+    monkeypatch.setattr(preflight, "device_capacity", lambda device: (2**16, "a 64 KiB device"))
+    built: list[object] = []
+    monkeypatch.setattr(trainer_module, "Transformer", lambda *a, **k: built.append(a))
+    cfg = make_config()
+    with pytest.raises(KilnError, match=r"of 64\.0 KiB|would not fit"):
+        trainer_module.Trainer(cfg, cfg.logging.run_dir)
+    assert built == []
+    assert not (Path(cfg.logging.run_dir) / "config.toml").exists()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -140,20 +139,22 @@ def device_capacity(device: torch.device) -> tuple[int, str]:
     return free // max(1, local), f"free RAM / {local} local rank(s)"
 
 
-def check(trainer: Any) -> list[str]:
-    """The pre-flight lines for a built Trainer; a clear error when the run would not fit."""
-    cfg = trainer.cfg
-    shape = (
-        trainer.mesh.shape
-        if trainer.mesh is not None
-        else {"pp": 1, "dp_replicate": 1, "tp": 1,
-              "dp_shard": trainer.dist.world_size if _is_fsdp(trainer) else 1}
-    )  # fmt: skip
-    microbatches = getattr(trainer, "pipeline_microbatches", 1)
-    memory = rank_memory(
-        trainer.model_cfg, cfg, shape, trainer.precision.name, cfg.batch.micro_batch, microbatches
-    )
-    capacity, what = device_capacity(trainer.device)
+def check(
+    model: ModelConfig,
+    cfg: TrainConfig,
+    shape: dict[str, int],
+    dtype: str,
+    device: torch.device,
+    microbatches: int = 1,
+) -> list[str]:
+    """The pre-flight lines of a run on a mesh of `shape`; a clear error when it would not fit.
+
+    The Trainer calls it before it allocates the model. With batch.micro_batch = "auto" the
+    smallest micro-batch (1) is checked: the probe then finds the largest that fits.
+    """
+    micro = 1 if cfg.batch.micro_batch == "auto" else cfg.batch.micro_batch
+    memory = rank_memory(model, cfg, shape, dtype, micro, microbatches)
+    capacity, what = device_capacity(device)
     parts = ", ".join(f"{k} {size(v)}" for k, v in memory.parts().items() if v)
     mesh = " × ".join(f"{k}={shape[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
     lines = [
@@ -178,9 +179,3 @@ def check(trainer: Any) -> list[str]:
 def size(n: float) -> str:
     """Bytes as GiB (MiB below one GiB)."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
-
-
-def _is_fsdp(trainer: Any) -> bool:
-    from kiln.train.distributed import parallel_mode
-
-    return parallel_mode(trainer.cfg, trainer.dist) == "fsdp"
