@@ -167,7 +167,8 @@ SCRIPTS = {
 def test_every_recording_script_is_listed() -> None:
     scripts = {p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_")}
     # attention.py needs CUDA before it can measure; its check is covered on a GPU machine.
-    assert scripts - {"attention", "invariance"} == set(SCRIPTS)
+    # quiet.py runs the others and records nothing itself.
+    assert scripts - {"attention", "invariance", "quiet"} == set(SCRIPTS)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -185,3 +186,31 @@ def test_script_refuses_a_busy_machine_before_measuring(
     assert str(exc.value).startswith(f"bench/{name}.py: not recording")
     assert "9.00" in str(exc.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quiet_plan_fits_the_budget_with_reduced_settings_and_prerequisites() -> None:
+    quiet = _script("quiet")
+    names = ["serve_load", "posttrain"]
+    steps, skipped = quiet.plan(names, None, have=set())
+    # Without a budget: full settings; the demo is made once, before the first item needing it,
+    # and the SFT model (made from the demo) before post-training II.
+    assert [(s.item.name, s.reduced, s.prep) for s in steps] == [
+        ("serve_load", False, ("demo",)),
+        ("posttrain", False, ("sft",)),
+    ]
+    assert skipped == []
+    full_posttrain = steps[1].minutes
+    budget = steps[0].minutes + full_posttrain - 1
+    steps, skipped = quiet.plan(names, budget, have=set())
+    assert [(s.item.name, s.reduced) for s in steps] == [("serve_load", False), ("posttrain", True)]
+    assert sum(s.minutes for s in steps) <= budget
+    steps, skipped = quiet.plan(names, 5, have={"demo"})
+    assert [s.item.name for s in steps] == ["serve_load"] and steps[0].prep == ()
+    assert [n.split(" ")[0] for n in skipped] == ["posttrain"]
+
+
+def test_quiet_rejects_unknown_items(capsys) -> None:
+    quiet = _script("quiet")
+    with pytest.raises(SystemExit):
+        quiet.main(["--plan", "--only", "serve,nonsense"])
+    assert "unknown item(s) nonsense" in capsys.readouterr().err
