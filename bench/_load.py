@@ -112,7 +112,7 @@ class Measurement:
         }
         if self.noisy:
             out["noisy_reason"] = (
-                f"1-minute load {self.load_start[0]:.2f} at start > {MAX_START_LOAD} (--noisy)"
+                f"1-minute load {self.load_start[0]:.2f} at start > {MAX_START_LOAD}, kept by --noisy"
             )
         return out
 
@@ -131,7 +131,7 @@ class Measurement:
             f"{' '.join(f'{x:.2f}' for x in self.load_start)} at start, "
             f"{' '.join(f'{x:.2f}' for x in rec['loadavg_end'])} at end; {rec['cpu']}, "
             f"{rec['cores']} cores ({flags})"
-            + (f"; torch {threads} threads" if threads is not None else "")
+            + (f"; {threads} torch thread{'s' * (threads != 1)}" if threads is not None else "")
             + "."
         )
         if self.noisy:

@@ -240,7 +240,7 @@ def markdown(r: dict[str, Any]) -> str:
     """The RESULTS.md section of a results document."""
     m = r["measured"]
     lines = [
-        ("**noisy** " if m["noisy"] else "")
+        (f"**noisy** ({m['noisy_reason']}). " if m["noisy"] else "")
         + f"Machine: {m['cpu']}, {m['cores']} cores, Python {platform.python_version()}; "
         f"{m['started']} to {m['ended']}; load average "
         + " ".join(f"{x:.2f}" for x in m["loadavg_start"])

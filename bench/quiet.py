@@ -195,7 +195,7 @@ def wait_quiet(log: Log, max_wait_s: float) -> tuple[float, float, float] | None
         if load[0] <= QUIET_LOAD:
             return load
         if time.monotonic() >= deadline:
-            log(f"  load still {load[0]:.2f} after {max_wait_s / 60:.0f} min of waiting")
+            log(f"  load still {load[0]:.2f} after {max_wait_s / 60:.1f} min of waiting")
             return None
         time.sleep(POLL_S)
 
@@ -280,35 +280,35 @@ def main(argv: list[str] | None = None) -> int:
     broken: set[str] = set()  # prerequisites whose making failed: their items cannot run
     for s in steps:
         for name in s.prep:
-            if not run_step(f"prep-{name}", prep_commands(name, paths), work, log, args):
+            if run_step(f"prep-{name}", prep_commands(name, paths), work, log, args) != "ok":
                 broken.add(name)
-        ok = not (set(s.item.needs) & broken or ("sft" in s.item.needs and "demo" in broken))
-        if not ok:
+        blocked = set(s.item.needs) & broken or ("sft" in s.item.needs and "demo" in broken)
+        if blocked:
             log(f"{s.item.name}: not run, its prerequisite failed")
         argv_ = s.item.reduced if s.reduced else s.item.argv
         assert argv_ is not None
         if s.item.name == "posttrain_dpo":
             link_prefs(work, log)
         cmd = [sys.executable, *fill(argv_, paths), *(["--noisy"] if args.noisy else [])]
-        status = run_step(s.item.name, [cmd], work, log, args) if ok else False
+        status = "prerequisite failed" if blocked else run_step(s.item.name, [cmd], work, log, args)
         results.append({"item": s.item.name, "section": s.item.section, "reduced": s.reduced,
-                        "estimated_min": s.minutes, "ok": status,
+                        "estimated_min": s.minutes, "status": status,
                         "log": str(work / f"{s.item.name}.log")})  # fmt: skip
-        failed = failed or not status
+        failed = failed or status != "ok"
         write_json_atomic(work / "summary.json", {"steps": results, "skipped": skipped})
-    log(f"done: {sum(bool(r['ok']) for r in results)} of {len(results)} steps ok; "
+    log(f"done: {sum(r['status'] == 'ok' for r in results)} of {len(results)} steps ok; "
         f"summary {work / 'summary.json'}")  # fmt: skip
     return 1 if failed else 0
 
 
 def run_step(
     name: str, cmds: list[list[str]], work: Path, log: Log, args: argparse.Namespace
-) -> bool:
-    """Wait for quiet, run the commands in turn; whether all of them exited 0."""
+) -> str:
+    """Wait for quiet, run the commands in turn: "ok", "not quiet" or "failed (exit N)"."""
     load = wait_quiet(log, args.max_wait * 60)
     if load is None and not args.noisy:
         log(f"{name}: skipped, the machine did not get quiet")
-        return False
+        return "not quiet"
     started = time.monotonic()
     log(f"{name}: start, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for cmd in cmds:
@@ -316,10 +316,10 @@ def run_step(
         if code != 0:
             log(f"{name}: FAILED (exit {code}) after {(time.monotonic() - started) / 60:.1f} min: "
                 f"{shlex.join(cmd)}; see {work / f'{name}.log'}")  # fmt: skip
-            return False
+            return f"failed (exit {code})"
     log(f"{name}: ok, {(time.monotonic() - started) / 60:.1f} min, load average now "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-    return True
+    return "ok"
 
 
 def link_prefs(work: Path, log: Log) -> None:

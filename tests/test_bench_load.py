@@ -214,3 +214,25 @@ def test_quiet_rejects_unknown_items(capsys) -> None:
     with pytest.raises(SystemExit):
         quiet.main(["--plan", "--only", "serve,nonsense"])
     assert "unknown item(s) nonsense" in capsys.readouterr().err
+
+
+def test_quiet_step_waits_for_quiet_runs_and_logs(tmp_path: Path, monkeypatch, capsys) -> None:
+    quiet = _script("quiet")
+    log = quiet.Log(tmp_path / "quiet.log")
+    args = argparse.Namespace(max_wait=0.0, noisy=False)
+    monkeypatch.setattr(quiet.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    assert quiet.run_step("busy", [[sys.executable, "-c", "pass"]], tmp_path, log, args) == (
+        "not quiet"
+    )
+    assert not (tmp_path / "busy.log").exists()
+    monkeypatch.setattr(quiet.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    fails = [sys.executable, "-c", "print('measured'); raise SystemExit(3)"]
+    assert quiet.run_step("item", [fails], tmp_path, log, args) == "failed (exit 3)"
+    assert "measured" in (tmp_path / "item.log").read_text()
+    ok = [sys.executable, "-c", "print('fine')"]
+    assert quiet.run_step("good", [ok, ok], tmp_path, log, args) == "ok"
+    assert (tmp_path / "good.log").read_text().splitlines().count("fine") == 2  # both commands ran
+    lines = (tmp_path / "quiet.log").read_text().splitlines()
+    assert any("busy: skipped" in line for line in lines)
+    assert any("item: FAILED (exit 3)" in line for line in lines)
+    assert any("good: ok" in line for line in lines)
