@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
+from bench._load import add_noisy_flag, begin
+from kiln.io import write_json_atomic
 from kiln.model import ModelConfig
 from kiln.train.config import TrainConfig, load_train_config
 from kiln.train.trainer import Trainer
@@ -207,7 +209,10 @@ def main() -> int:
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # index of the variant to train
     ap.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared"
                     / "data" / "tinystories" / "valid.txt.gz")  # fmt: skip
+    add_noisy_flag(ap)
     args = ap.parse_args()
+    # The children run under the parent's measurement; only the parent checks the load.
+    measured = begin("bench/arch.py", args.noisy) if args.child is None else None
     torch.set_num_threads(1)  # one core per run: the other is another helper's
     from kiln.tokenizer import Tokenizer
 
@@ -221,9 +226,12 @@ def main() -> int:
         doc["context"] = context_section(
             load_dense(data_dir, args.out_dir), tokenizer, args.out_dir
         )
-        (args.out_dir / "arch.json").write_text(json.dumps(doc, indent=2) + "\n")
+        assert measured is not None
+        doc["context_measured"] = measured.record()
+        write_json_atomic(args.out_dir / "arch.json", doc)
+        print(measured.line())
         return 0
-    if args.child is not None:
+    if measured is None:
         name, run_dir = names[args.child], args.out_dir / f"run{args.child}"
         train(name, config(data_dir, VARIANTS[name], args.steps), run_dir, tokenizer)
         return 0
@@ -256,8 +264,8 @@ def main() -> int:
         print(f"\nstreaming a long text through the dense model (block {SEQ}):")
         doc["streaming"] = streaming(load_dense(data_dir, args.out_dir), tokenizer, args.text, 2048)
     doc["context"] = context_section(load_dense(data_dir, args.out_dir), tokenizer, args.out_dir)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "arch.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_json_atomic(args.out_dir / "arch.json", measured.stamp(doc))
+    print(measured.line())
     print(f"wrote {args.out_dir / 'arch.json'}")
     return 0
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 # Run as a script from a plain checkout too (kiln not pip-installed on a freshly lent GPU machine).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
+
 
 def attention_flops(B: int, H: int, T: int, D: int, causal: bool, backward: bool) -> float:
     """Matmul FLOPs of attention: 2 matmuls of 2·T²·D forward, 2.5× that backward, /2 causal."""
@@ -106,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--no-naive", action="store_true", help="skip naive attention (slow, big)")
+    add_noisy_flag(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
             "bench/attention.py needs a CUDA GPU (the Triton kernels are compiled for it); skipped"
         )
         return 0
+    # The GPU runs the kernels, but the CPU launches them: a busy CPU delays every launch.
+    measured = begin("bench/attention.py", args.noisy)
 
     impls: dict[str, Callable] = {"triton": kiln_triton, "sdpa-flash": sdpa_flash}
     if not args.no_naive:
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
     print()
     print("\n".join(f"- {note} (fwd+bwd)" for note in memory_notes))
+    print(measured.line())
     return 0
 
 

@@ -15,18 +15,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import data_dedup
 import data_filters
+
+from bench._load import add_noisy_flag, begin
 
 
 def main() -> None:
     """Run both benchmarks and print one JSON summary at the end."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=5000)
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/data.py", args.noisy)
     results = {"filters": data_filters.run(args.docs), "near_dedup": data_dedup.run(args.docs)}
-    print(json.dumps(results, indent=2, default=str))
+    print(json.dumps(measured.stamp(results), indent=2, default=str))
 
 
 if __name__ == "__main__":

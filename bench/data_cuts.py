@@ -16,10 +16,15 @@ import argparse
 import bz2
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
+# Run as a script from a plain checkout too (this checkout's kiln, and bench._load).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._load import add_noisy_flag, begin
 from kiln.data.pipeline.decontaminate.ngram_overlap import DecontamConfig, Decontaminator
 from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher, hash_word_ngrams
 from kiln.data.pipeline.document import Document
@@ -76,8 +81,10 @@ def main() -> None:
     """Parse arguments, run, print one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=200)
+    add_noisy_flag(parser)
     args = parser.parse_args()
-    print(json.dumps(run(args.docs), indent=2))
+    measured = begin("bench/data_cuts.py", args.noisy)
+    print(json.dumps(measured.stamp(run(args.docs)), indent=2))
 
 
 if __name__ == "__main__":

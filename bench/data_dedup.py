@@ -67,6 +67,7 @@ from loguru import logger
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._load import add_noisy_flag, begin  # noqa: E402
 from kiln.data.pipeline.dedup.minhash import MinHashConfig, MinHasher, normalized_words  # noqa: E402
 from kiln.data.pipeline.dedup.near import near_duplicate_clusters  # noqa: E402
 
@@ -342,8 +343,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=5000)
     parser.add_argument("--scale-docs", type=int, default=1_000_000, help="0 to skip")
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/data_dedup.py", args.noisy)
     print_report(run(args.docs, args.scale_docs))
+    print(measured.line())
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._load import add_noisy_flag, begin  # noqa: E402
+
 CORPUS = REPO.parent / "shared" / "data" / "bench" / "en_10m.txt.gz"
 EOT_LINE = "<|endoftext|>"
 FILTERS = ("gopher_quality", "gopher_repetition", "c4", "fineweb")
@@ -353,8 +355,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=list(PEER_TOKENIZERS),
         help="datatrove word tokenizers to run with (default: both)",
     )
+    add_noisy_flag(ap)
     args = ap.parse_args(argv)
+    measured = begin("bench/data_filters.py", args.noisy)
     print(report(run(args.docs, args.peer_tokenizers)))
+    print(measured.line())
 
 
 if __name__ == "__main__":

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+# Run as a script from a plain checkout too (this checkout's kiln, and bench._load).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._load import add_noisy_flag, begin
 from kiln.data.pipeline.read import offsets
 from kiln.data.pipeline.read.readers import ReadIssues, count_records, iter_records
 from kiln.tokenizer.special import EOT
@@ -71,8 +76,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", default=str(CORPUS))
     parser.add_argument("--tasks", type=int, default=16)
+    add_noisy_flag(parser)
     args = parser.parse_args()
-    print(json.dumps(run(args.file, args.tasks), indent=2))
+    measured = begin("bench/data_offsets.py", args.noisy)
+    print(json.dumps(measured.stamp(run(args.file, args.tasks)), indent=2))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+# Run as a script from a plain checkout too (this checkout's kiln, and bench._load).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._load import add_noisy_flag, begin
 from kiln.data.pipeline.dedup import partitioned
 from kiln.data.pipeline.dedup.minhash import mix64
 from kiln.data.pipeline.executors import LocalExecutor
@@ -163,12 +167,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compare", action="store_true", help="also 2 and 4 partitions")
     parser.add_argument("--tmp", default=None, help="scratch folder (default: a temp dir)")
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/data_scale.py", args.noisy)
     root = Path(tempfile.mkdtemp(prefix="kiln_scale_", dir=args.tmp))
     try:
-        print(
-            json.dumps(run(args.docs, args.memory_mb, args.workers, args.compare, root), indent=2)
-        )
+        result = run(args.docs, args.memory_mb, args.workers, args.compare, root)
+        print(json.dumps(measured.stamp(result), indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sys.stdout.flush()

@@ -14,6 +14,7 @@ kiln.model.accounting.activation_bytes, the figure `kiln scaling account` prints
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -23,6 +24,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._load import add_noisy_flag, begin  # noqa: E402
+
 MODEL = ["model.n_layer=6", "model.n_embd=384", "model.n_head=6", "model.n_kv_head=2",
          "model.block_size=256", "data.seq_len=256", "train.max_steps=2", "eval.batches=0",
          "eval.sample_tokens=0", "checkpoint.every=0", "logging.progress=false"]  # fmt: skip
@@ -102,7 +107,12 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--child":
         child(argv[1], argv[2], argv[3:])
         return 0
-    dataset = argv[0]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dataset", help="a kiln dataset directory (`kiln data tokenize` output)")
+    add_noisy_flag(parser)
+    args = parser.parse_args(argv)
+    measured = begin("bench/memory.py", args.noisy)
+    dataset = args.dataset
     # Large blocks from mmap, given back at free: the resident set then follows live memory
     # instead of glibc's high-water mark of freed-but-kept arenas.
     malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -130,6 +140,7 @@ def main(argv: list[str]) -> int:
             f"{doc['saved_measured'] / doc['saved_account']:.2f} |"
         )
         print(f"<!-- {name}: {json.dumps(doc['parts'])} params {doc['params']:,} -->")
+    print(measured.line())
     return 0
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._load import add_noisy_flag, begin  # noqa: E402
+
 
 def settings(args: argparse.Namespace) -> list[str]:
     """The --set overrides of the measured run (or of the smoke run)."""
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/kiln-bench-train"))
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU run (no GPU needed)")
+    add_noisy_flag(parser)
     args = parser.parse_args(argv)
+    # A GPU run is fed and launched by the CPU: a busy CPU starves it too.
+    measured = begin("bench/mfu.py", args.noisy)
 
     from bench.train import prepare
     from kiln.train.config import load_train_config
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.attention}, micro-batch {trainer.cfg.batch.micro_batch}): {tps:,.0f} tokens/s, "
         f"MFU {mfu} (median of {len(steady)} logged windows after the first)"
     )
+    print(measured.line())
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from kiln.model import ModelConfig, Transformer
 from kiln.model.generate import generate
 from kiln.model.hf import to_hf
@@ -192,11 +193,13 @@ def main() -> None:
     parser.add_argument("--skip-generation", action="store_true")
     parser.add_argument("--memory-child", choices=["kiln", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    add_noisy_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.memory_child, args.compiled, args.steps)
         return
+    measured = begin("bench/model.py", args.noisy)
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -227,6 +230,7 @@ def main() -> None:
     print("\n| measurement | kiln tok/s | HF tok/s | ratio | kiln peak MB | HF peak MB |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print(measured.line())
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arch import DEFAULT_CACHE, config, prepare
 
-from kiln.train.trainer import Trainer
+from bench._load import add_noisy_flag, begin
+from kiln.io import write_json_atomic
+from kiln.train.trainer import NonFiniteError, Trainer
 
 WIDTHS = (64, 128, 256)
 LRS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
@@ -63,18 +65,19 @@ def val_loss_of(model: torch.nn.Module, data_dir: Path, n_tokens: int = 16384) -
 
 
 def train_one(cfg: Any, run_dir: Path, data_dir: Path) -> dict[str, Any]:
-    """One run: final val loss (inf if it diverged), seconds."""
+    """One run: final val loss (inf if it diverged), whether it diverged, seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)
     torch.manual_seed(0)
     start = time.perf_counter()
+    diverged = False
     try:
         trainer = Trainer(cfg, run_dir)
         trainer.run()
         loss = val_loss_of(trainer.model.eval(), data_dir)
-    except Exception as exc:  # a diverged run (non-finite loss) is a point of the sweep
+    except NonFiniteError as exc:  # a diverged run is a point of the sweep; other errors are bugs
         print(f"    diverged: {exc}", flush=True)
-        loss = math.inf
-    return {"val_loss": loss if math.isfinite(loss) else math.inf,
+        loss, diverged = math.inf, True
+    return {"val_loss": loss if math.isfinite(loss) else math.inf, "diverged": diverged,
             "seconds": time.perf_counter() - start}  # fmt: skip
 
 
@@ -115,7 +118,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     ap.add_argument("--lrs", default=",".join(map(str, LRS)), help="comma-separated lrs")
     ap.add_argument("--plot", type=Path, default=Path("docs/images/mup_lr_transfer.png"))
+    add_noisy_flag(ap)
     args = ap.parse_args()
+    measured = begin("bench/mup.py", args.noisy)
     torch.set_num_threads(1)  # the machine is shared: one core, runs one after another
     data_dir = prepare(args.cache)
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -143,8 +148,8 @@ def main() -> int:
             print(f"| {param} | {width} | {cells} | {best['lr']:g} |")
     doc = {"steps": args.steps, "tokens_per_step": SEQ * MICRO, "widths": WIDTHS, "lrs": lrs,
            "results": results, "optima": optima}  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "mup.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(measured.line())
+    write_json_atomic(args.out_dir / "mup.json", measured.stamp(doc))
     print(f"optima: {json.dumps(optima)}")
     print(f"wrote {args.out_dir / 'mup.json'} and {plot(results, args.plot)}")
     return 0

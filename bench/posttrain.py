@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._load import add_noisy_flag, begin  # noqa: E402
+from kiln.io import write_json_atomic  # noqa: E402
+
 MODELS = ("sft", "dpo", "grpo", "ppo")
 
 
@@ -123,7 +128,9 @@ def main() -> int:
         action="store_true",
         help="keep OUT/prefs-sS when it exists (made with the same settings)",
     )
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/posttrain.py", args.noisy)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -141,10 +148,11 @@ def main() -> int:
                    "bpb": doc["bpb"]["bits_per_byte"]}
             for name, doc in evals.items()
         }  # fmt: skip
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+        write_json_atomic(out / "results.json", measured.stamp(results))
     results["minutes"] = (time.time() - started) / 60
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_json_atomic(out / "results.json", measured.stamp(results))
     print(table(results))
+    print(measured.line())
     return 0
 
 

@@ -35,6 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._load import add_noisy_flag, begin  # noqa: E402
+from kiln.io import write_json_atomic  # noqa: E402
+
 CONFIG = ROOT / "configs" / "sft.toml"
 
 
@@ -173,6 +178,7 @@ def evaluate(model: Path, chat: Path, out: Path, limit: int | None) -> dict[str,
 
 
 def main() -> int:
+    """Run the layout timing, SFT and LoRA, evaluate; write results.json, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demo", help="the demo run to start from (default: newest runs/demo-*)")
     parser.add_argument("--out", default="out/posttrain_sft", help="work folder")
@@ -180,17 +186,18 @@ def main() -> int:
     parser.add_argument("--layout-steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=20, help="held-out prompts per task (0: all)")
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/posttrain_sft.py", args.noisy)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()
     demo = find_demo(args.demo, out)
     base, chat = out / "demo-chat", out / "chat"
     if not base.exists():
         kiln("posttrain", "add-chat-tokens", str(demo), str(base))
     if not chat.exists():
         kiln("data", "chat", str(chat))
-    results: dict[str, Any] = {"demo": str(demo), "load_average_at_start": load}
+    results: dict[str, Any] = {"demo": str(demo)}
 
     layouts = {}
     for layout in ("packed", "padded"):
@@ -223,17 +230,23 @@ def main() -> int:
         runs[name] = run
     results["base_heldout_loss"] = heldout_loss(base, chat)
     results["eval"] = {name: evaluate(path, chat, out, args.limit) for name, path in runs.items()}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results = measured.stamp(results)
+    write_json_atomic(out / "results.json", results)
     print(markdown(results))
     return 0
 
 
 def markdown(r: dict[str, Any]) -> str:
     """The RESULTS.md section of a results document."""
+    m = r["measured"]
     lines = [
-        f"Machine: {os.cpu_count()} cores, {platform.python_version()}; load average at start "
-        + " ".join(f"{x:.1f}" for x in r["load_average_at_start"])
-        + " (a shared, loaded machine: timings are noisy; ratios are side by side).",
+        (f"**noisy** ({m['noisy_reason']}). " if m["noisy"] else "")
+        + f"Machine: {m['cpu']}, {m['cores']} cores, Python {platform.python_version()}; "
+        f"{m['started']} to {m['ended']}; load average "
+        + " ".join(f"{x:.2f}" for x in m["loadavg_start"])
+        + " at start, "
+        + " ".join(f"{x:.2f}" for x in m["loadavg_end"])
+        + " at end.",
         "",
         "| model | " + " | ".join(r["eval"]["base"]["chat_tasks"]["tasks"]) + " | all | "
         "TinyStories-valid bpb | held-out reply loss |",

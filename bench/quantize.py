@@ -30,11 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from kiln.errors import KilnError
 from kiln.eval.lm import bits_per_byte
 from kiln.eval.multiple_choice import evaluate_task
 from kiln.eval.scoring import Scorer
 from kiln.eval.tasks import load_task
+from kiln.io import write_json_atomic
 from kiln.loading import load_model
 from kiln.model.generate import generate
 from kiln.quant.quantize import model_bytes, quantize_model
@@ -119,7 +121,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip-quality", action="store_true", help="bytes and speed only")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    add_noisy_flag(p)
     args = p.parse_args()
+    measured = begin("bench/quantize.py", args.noisy)
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype="fp32")
     base = loaded.model
@@ -142,8 +146,9 @@ def main() -> int:
     for name, rate in decode_rates(models, prompt, args.new_tokens, args.rounds).items():
         rows[name]["decode_tok_s"] = rate
     print_table(rows, args)
+    print(measured.line())
     if args.out is not None:
-        args.out.write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
+        write_json_atomic(args.out, measured.stamp({"model": loaded.source, "rows": rows}))
     return 0
 
 

@@ -11,9 +11,15 @@ the parametric fit (approach 3) and from the IsoFLOP parabolas (approach 2).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
+# Run as a script from a plain checkout too (this checkout's kiln, and bench._load).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._load import add_noisy_flag, begin
 from kiln.scaling.fit import Point, fit_all
 from kiln.scaling.laws import CHINCHILLA, ScalingLaw
 
@@ -35,7 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--starts", type=int, default=64)
+    add_noisy_flag(parser)
     args = parser.parse_args()
+    measured = begin("bench/scaling_fit.py", args.noisy)
     names = ("E", "A", "B", "alpha", "beta")
     print("noise   " + "".join(f"{n:>8}" for n in (*names, "a (3)", "a (2)")))
     for noise in (0.0, 0.005, 0.02):
@@ -49,6 +57,7 @@ def main() -> None:
             worst["a3"] = max(worst["a3"], abs(law.a / CHINCHILLA.a - 1))
             worst["a2"] = max(worst["a2"], abs(report.n_opt.exponent / CHINCHILLA.a - 1))
         print(f"{noise:<8}" + "".join(f"{v:>8.2%}" for v in worst.values()))
+    print(measured.line())
 
 
 if __name__ == "__main__":

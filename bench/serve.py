@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from kiln.model import ModelConfig, Transformer
 from kiln.model.hf import save_hf_dir, to_hf
 from kiln.serve.engine import Engine, EngineConfig, SamplingParams
@@ -167,12 +168,13 @@ def main() -> None:
     ap.add_argument("--systems", default="kiln,hf,ct2-fp32,ct2-int8",
                     help="also: kiln-variant (batch_invariant=False)")  # fmt: skip
     ap.add_argument("--poisson-seconds", type=float, default=10.0, help="0 skips the latency run")
+    add_noisy_flag(ap)
     args = ap.parse_args()
+    measured = begin("bench/serve.py", args.noisy)
     torch.set_num_threads(args.threads)
     systems = args.systems.split(",")
-    load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
     print(f"# bench/serve.py {' '.join(sys.argv[1:])}: torch {torch.__version__}, "
-          f"{args.threads} thread(s), load average at start {load}")  # fmt: skip
+          f"{args.threads} thread(s)")  # fmt: skip
     for name in args.models.split(","):
         cfg = model_config(name)
         torch.manual_seed(0)
@@ -198,7 +200,7 @@ def main() -> None:
         print("| requests | " + " | ".join(f"{s} tok/s" for s in runners) + " | "
               + " | ".join(f"kiln ÷ {s}" for s in runners if s != "kiln") + " |")  # fmt: skip
         print("|---" * (2 * len(runners)) + "|")
-        rates: dict[int, float] = {}
+        completed: dict[int, float] = {}  # requests/s the engine finished, by concurrency
         for n in map(int, args.concurrency.split(",")):
             work = workload(n, cfg, args.quick, seed=n)
             useful = sum(work[1])
@@ -208,20 +210,25 @@ def main() -> None:
                 for s in order:
                     times[s].append(runners[s](work))
             tps = {s: useful / statistics.median(t) for s, t in times.items()}
-            rates[n] = tps.get("kiln", 0.0)
+            if "kiln" in times:
+                completed[n] = n / statistics.median(times["kiln"])
             ratios = [tps["kiln"] / tps[s] for s in runners if s != "kiln" and "kiln" in tps]
             print(f"| {n} | " + " | ".join(f"{tps[s]:.0f}" for s in runners) + " | "
                   + " | ".join(f"{x:.2f}" for x in ratios) + " |", flush=True)  # fmt: skip
-        if args.poisson_seconds > 0 and "kiln" in runners:
-            busy = max(rates.values()) if rates else 100.0
-            mean_out = 28 if args.quick else 72
-            rate = 0.8 * busy / mean_out  # requests/s that keep the engine about 80% busy
+        if args.poisson_seconds > 0 and completed:
+            # The stream draws its requests like the throughput runs did, so 80% of the best
+            # completion rate measured above keeps the engine about 80% busy.
+            peak_n = max(completed, key=completed.__getitem__)
+            rate = 0.8 * completed[peak_n]
             stats = poisson_latency(engines["kiln"], cfg, rate, args.poisson_seconds, args.quick)
-            print(f"\nPoisson arrivals at {rate:.2f} req/s for {args.poisson_seconds:.0f} s "
+            print(f"\nPoisson arrivals at {rate:.2f} req/s (80% of the {completed[peak_n]:.2f} "
+                  f"req/s the engine completed at {peak_n} concurrent requests) for "
+                  f"{args.poisson_seconds:.0f} s "
                   f"({stats['requests']} requests): TTFT p50 {stats['ttft_p50']:.0f} ms, "
                   f"p99 {stats['ttft_p99']:.0f} ms; TPOT p50 {stats['tpot_p50']:.0f} ms, "
                   f"p99 {stats['tpot_p99']:.0f} ms", flush=True)  # fmt: skip
         tmp.cleanup()
+    print(measured.line())
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
+from kiln.io import write_json_atomic
+
 PROMPTS = [
     "Once upon a time, there was a little dog named",
     "Lily and Tom went to the park. They saw",
@@ -227,7 +230,9 @@ def main() -> None:
         "--malloc-arena-max", type=int, default=None,
         help="MALLOC_ARENA_MAX for the server (glibc's per-thread arenas hold freed memory)",
     )  # fmt: skip
+    add_noisy_flag(p)
     args = p.parse_args()
+    measured = begin("bench/serve_load.py", args.noisy)
 
     import torch
 
@@ -285,9 +290,10 @@ def main() -> None:
           "its pages join the RSS as blocks are first written)")  # fmt: skip
     print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
           f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
+    print(measured.line())
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "rss_before_mib": before,
-                                               "rss_after_rounds_mib": rss, "exit": code}, indent=2))  # fmt: skip
+        doc = {"rows": rows, "rss_before_mib": before, "rss_after_rounds_mib": rss, "exit": code}
+        write_json_atomic(args.json, measured.stamp(doc))
 
 
 if __name__ == "__main__":

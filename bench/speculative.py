@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
+from kiln.io import write_json_atomic
 from kiln.loading import load_model
 from kiln.model.generate import generate
 from kiln.serve.engine.speculative import (
@@ -76,7 +78,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    add_noisy_flag(p)
     args = p.parse_args()
+    measured = begin("bench/speculative.py", args.noisy)
     torch.set_num_threads(1)
     target = load_model(args.model, dtype="fp32")
     draft = load_model(args.draft, dtype="fp32")
@@ -87,9 +91,10 @@ def main() -> int:
     for temperature in (0.0, 1.0):
         rows += measure(target.model, draft.model, batch, temperature, args)
     print_table(rows, args)
+    print(measured.line())
     doc = {"target": target.source, "draft": draft.source, "rows": rows}
     if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json_atomic(args.out, measured.stamp(doc))
     return 0
 
 

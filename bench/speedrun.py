@@ -46,6 +46,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import MAX_START_LOAD, add_noisy_flag, begin
+from kiln.io import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 TRAIN_TEXT = SHARED / "tinystories" / "train.txt.gz"
@@ -247,15 +250,17 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the log as markdown")
     parser.add_argument("--score", metavar="MODEL", help="score a trained model (a kiln demo run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    add_noisy_flag(parser)
     args = parser.parse_args()
     if args.table:
         log_table(Path(args.log))
         return
-    if args.score:
-        print(json.dumps(score_model(args.score)))
-        return
-    if args.child:
+    if args.child:  # runs under its parent's measurement
         print("RESULT " + json.dumps(run_child(json.loads(args.child))), flush=True)
+        return
+    measured = begin("bench/speedrun.py", args.noisy)
+    if args.score:
+        print(json.dumps(measured.stamp(score_model(args.score))))
         return
     cache = Path(args.cache)
     specs = plan_specs(args)
@@ -291,10 +296,14 @@ def main() -> None:
             if "valid_bpb" in res:
                 entry["valid_ratio"] = round(res["valid_bpb"] / base["valid_bpb"], 4)
         lines.append(entry)
-    with open(args.log, "a", encoding="utf-8") as handle:
-        for entry in lines:
-            handle.write(json.dumps(entry) + "\n")
+    lines = [measured.stamp(entry) for entry in lines]
+    log = Path(args.log)
+    old = log.read_text(encoding="utf-8") if log.exists() else ""
+    # The log as it was plus this invocation's lines, or (on a failure) the log as it was.
+    with atomic_write(log) as handle:
+        handle.write(old + "".join(json.dumps(entry) + "\n" for entry in lines))
     report(lines)
+    print(measured.line())
 
 
 def run_all(specs: list[dict[str, Any]], sequential: bool) -> list[dict[str, Any]]:
@@ -355,8 +364,13 @@ def log_table(log: Path) -> None:
             continue
         ratio = e.get("valid_ratio", e.get("holdout_ratio", "-"))
         change = e["name"] + (f" (`{'; '.join(e['overrides'])}`)" if e["overrides"] else "")
+        # Entries from before bench/_load.py carry only loadavg_start (taken as training began).
+        start = e.get("measured", {}).get("loadavg_start", e["loadavg_start"])[0]
+        label = e["label"]
+        if e.get("noisy") or start > MAX_START_LOAD:
+            label = f"**noisy** (load {start:.1f}) {label}"
         print(
-            f"| {e['date']} | {e['label']} | {change} | {e['tokenizer']} | {e['budget']} ({e['clock']}, "
+            f"| {e['date']} | {label} | {change} | {e['tokenizer']} | {e['budget']} ({e['clock']}, "
             f"{e['threads']} thr) | {e['side_by_side']} | {e['steps']} | {e['tokens']:,} | "
             f"{e['tokens_per_s']:,} | {e['holdout_bpb']:.4f} | {e.get('valid_bpb', '-')} | "
             f"{ratio} |"

@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arch import DEFAULT_CACHE, config, loss_at, prepare, train
 
+from bench._load import add_noisy_flag, begin
+from kiln.io import write_json_atomic
 from kiln.model import ModelConfig, Transformer
 from kiln.tokenizer import Tokenizer
 
@@ -99,7 +101,9 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated variant name prefixes")
     ap.add_argument("--rounds", type=int, default=7, help="side-by-side timing rounds")
     ap.add_argument("--table-only", action="store_true", help="reuse switches.json's runs")
+    add_noisy_flag(ap)
     args = ap.parse_args()
+    measured = begin("bench/switches.py", args.noisy)
     torch.set_num_threads(1)
     data_dir = prepare(args.cache)
     tokenizer = Tokenizer.load(args.cache / "tokenizer.json")
@@ -128,9 +132,9 @@ def main() -> int:
               f"{tps[r['name']]:,.0f} | {tps[r['name']] / tps[base['name']]:.2f}x | "
               f"{r['val_bpb']:.4f} | {r['loss_at_equal_time']:.4f} "
               f"({r['steps_at_equal_time']:.0f}) |")  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    print(measured.line())
     doc = {"steps": args.steps, "tokens_per_step": SEQ * MICRO, "runs": runs}
-    (args.out_dir / "switches.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_json_atomic(args.out_dir / "switches.json", measured.stamp(doc))
     print(f"wrote {args.out_dir / 'switches.json'}")
     return 0
 

@@ -34,6 +34,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._load import add_noisy_flag, begin  # noqa: E402
+from kiln.io import atomic_write  # noqa: E402
+
 DATA = REPO.parent / "shared" / "data"
 BENCH_DATA = DATA / "bench"
 GPT2_DIR = DATA / "gpt2"
@@ -226,7 +229,6 @@ def machine_info() -> dict[str, str]:
         "cpu": cpu,
         "memory": f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
         "python": platform.python_version(),
-        "load": "load average at start " + " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "versions": ", ".join(f"{k} {v}" for k, v in versions.items()),
     }
 
@@ -540,7 +542,8 @@ def write_section(results_path: Path, section: str) -> None:
         )
         tail = "".join(lines[end:])
         text = "".join(lines[:start]) + section.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    results_path.write_text(text)
+    with atomic_write(results_path) as handle:
+        handle.write(text)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -559,12 +562,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--impl", choices=TRAINERS, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
+    add_noisy_flag(ap)
     args = ap.parse_args(argv)
 
-    if args.worker == "train":
+    if args.worker == "train":  # runs under its parent's measurement
         workdir = Path(tempfile.mkdtemp(prefix="train_", dir=SCRATCH))
         worker_main(args.impl, args.corpus, args.vocab, workdir)
         return
+    measured = begin("bench/tokenizer.py", args.noisy)
 
     repeats = args.repeats or (1 if args.quick else 3)
     kiln_runs = args.kiln_runs or (1 if args.quick else 2)
@@ -576,16 +581,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"machine: {info['nproc']} cores, {info['cpu']}, {info['memory']}; Python {info['python']}"
     )
-    print(f"versions: {info['versions']}; {info['load']}\n", flush=True)
+    print(f"versions: {info['versions']}\n", flush=True)
 
     parts = [
         "## Tokenizer",
         "",
         f"Command: `make bench-tokenizer` (runs `.venv/bin/{cmd}`). Date: {info['date']}.",
-        f"Machine: {info['nproc']} cores ({info['cpu']}), {info['memory']} RAM, noisy shared host; "
-        f"Python {info['python']}; {info['versions']}; {info['load']}.",
+        f"Machine: {info['nproc']} cores ({info['cpu']}), {info['memory']} RAM; "
+        f"Python {info['python']}; {info['versions']}.",
         "",
     ]
+    machine_at = len(parts) - 1  # the measurement's line goes here once the run is done
     verdicts: list[str] = []
     mismatches: list[str] = []
     if not args.skip_train:
@@ -678,8 +684,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             else "- identical ids (and decoded text) with every peer on the same vocabulary: yes"
         )
     parts += ["### Targets (issue 2)", "", *verdicts, ""]
+    parts.insert(machine_at, measured.line())
     section = "\n".join(parts)
     print("\n".join(["### Targets", *verdicts]))
+    print(parts[machine_at])
     if args.results:
         write_section(args.results, section)
         print(f"\nwrote the `## Tokenizer` section of {args.results}")

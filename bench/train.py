@@ -41,7 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from kiln.data import Dataset, Loader
+from kiln.io import write_json_atomic
 from kiln.model import ModelConfig, Transformer
 from kiln.train.config import TrainConfig, load_train_config
 from kiln.train.trainer import Trainer
@@ -348,11 +350,13 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--throughput-child", choices=["kiln", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    add_noisy_flag(parser)
     args = parser.parse_args()
-    if args.throughput_child:
+    if args.throughput_child:  # runs under its parent's measurement
         torch.set_num_threads(1)
         throughput_child(args.throughput_child, Path(args.data_dir), args.steps, args.micro_batch)
         return
+    measured = begin("bench/train.py", args.noisy)
     cache = Path(args.cache)
     data_dir = prepare(cache)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -360,7 +364,7 @@ def main() -> None:
     if not args.skip_time_to_loss:
         for i, (name, cfg) in enumerate(recipes(data_dir).items()):
             runs.append(time_to_loss(name, cfg, args.budget, cache / f"run{i}"))
-        (cache / "time_to_loss.json").write_text(json.dumps(runs, indent=2) + "\n")
+        write_json_atomic(cache / "time_to_loss.json", measured.stamp({"runs": runs}))
         png = plot(runs, args.budget, cache / "train_time_to_loss.png")
         print(f"plot: {png}" if png else "plot: matplotlib missing, skipped")
     tp = None
@@ -368,6 +372,7 @@ def main() -> None:
         print("throughput (fp32 eager, 1 thread, one subprocess per run):", flush=True)
         tp = throughput(data_dir, args.steps, args.rounds, args.micro_batch)
     report(runs, tp, args)
+    print(measured.line())
 
 
 if __name__ == "__main__":
