@@ -14,7 +14,6 @@ the settings so load from other processes hits them alike; the median round is r
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, if set, wins
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kiln and bench
 
+from bench._load import add_noisy_flag, begin
 from kiln.io import write_json_atomic
 from kiln.model import ModelConfig, Transformer
 from kiln.serve.engine import Engine, EngineConfig, SamplingParams
-
-MAX_LOAD = 1.5  # a start load above this makes the numbers noise: no record without --noisy
 
 
 def demo_config() -> ModelConfig:
@@ -58,13 +56,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the record (JSON) here")
-    ap.add_argument("--noisy", action="store_true", help="write a record despite a busy machine")
+    add_noisy_flag(ap)
     args = ap.parse_args()
-    load_start = os.getloadavg()
-    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
-    if args.out and load_start[0] > MAX_LOAD and not args.noisy:
-        print(f"error: load {load_start[0]:.2f} > {MAX_LOAD}: pass --noisy to record anyway")
-        return 2
+    measured = begin("bench/invariance.py", args.noisy)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = demo_config()
@@ -86,7 +80,6 @@ def main() -> int:
                 runs[name].append(tokens_per_second(engine, prompts, args.new_tokens))
         for name in settings:
             results[name][batch] = statistics.median(runs[name])
-    load_end = os.getloadavg()
     print(f"\ndemo-size model, fp32, {args.threads} thread(s), {args.new_tokens} new tokens each")
     print(f"{'engine':<16}" + "".join(f"{'batch ' + str(b) + ' tok/s':>18}" for b in args.batches)
           + "".join(f"{'vs variant b' + str(b):>16}" for b in args.batches))  # fmt: skip
@@ -94,17 +87,13 @@ def main() -> int:
         ratios = [by_batch[b] / results["variant"][b] for b in args.batches]
         print(f"{name:<16}" + "".join(f"{by_batch[b]:>18.1f}" for b in args.batches)
               + "".join(f"{r:>16.2f}" for r in ratios))  # fmt: skip
-    print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
-    if load_start[0] > MAX_LOAD or load_end[0] > MAX_LOAD:
-        print("NOISY: the machine was busy; re-measure on a quiet one")
+    print(measured.line())
     if args.out:
         record = {
-            "bench": "invariance", "date": time.strftime("%Y-%m-%d %H:%M"),
-            "threads": args.threads, "new_tokens": args.new_tokens,
-            "load_start": load_start, "load_end": load_end, "noisy": load_start[0] > MAX_LOAD,
+            "bench": "invariance", "threads": args.threads, "new_tokens": args.new_tokens,
             "tokens_per_s": {n: {str(b): v for b, v in r.items()} for n, r in results.items()},
         }  # fmt: skip
-        write_json_atomic(args.out, record)
+        write_json_atomic(args.out, measured.stamp(record))
     return 0
 
 
