@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,6 +85,7 @@ def _records(run_dir: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.kernels
 def test_trainer_equals_a_hand_written_loop(make_config: MakeConfig) -> None:
     """5 steps, 2 micro-steps each: weights, lr and gradient norm equal the textbook loop's."""
     steps, warmup, peak, floor, clip = 5, 2, 3e-3, 0.1, 0.5
@@ -205,6 +207,7 @@ RECORD_REL = 1e-5
 SGD_WEIGHT_ATOL = 1e-6
 
 
+@pytest.mark.kernels
 def test_accumulating_two_micro_batches_of_4_equals_one_of_8(make_config: MakeConfig) -> None:
     """The same 256-token steps as 2 × 4 windows or 1 × 8: equal gradients, losses, norms and
     (under an update linear in the gradient) weights."""
