@@ -200,7 +200,8 @@ def _run_recording_grads(
 #   weights after 3 SGD steps at lr 0.1: max |Δw| ≤ 6.0e-8 (moved 2.1e-2) -> atol 1e-6 (16×)
 # Weights after AdamW are not compared: at step 1 its update is lr·g/(|g|+eps), so an element
 # whose |g| is below the rounding noise moves by ±lr with the noise's sign (measured: up to
-# 1.4e-5 apart here under MKL_CBWR=COMPATIBLE; on AVX-512 MKL kernels beyond the old 1e-5).
+# up to 1.4e-5 apart here, 4 × 2 split under MKL_CBWR=COMPATIBLE; on Intel AVX-512 MKL kernels
+# the 2 × 4 split went beyond the old 1e-5).
 # The gradients before any update and an update linear in them carry the test's intent.
 GRAD_REL_TO_MAX = 1e-5
 RECORD_REL = 1e-5
