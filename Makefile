@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
+.PHONY: demo test test-kernels test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q -m "not slow"
+
+# The kernel-sensitive tests (marker `kernels`) once per CPU-kernel setting and torch thread
+# count, each its own process; a table of tests × cells (docs/testing.md).
+test-kernels: $(STAMP)
+	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) tools/test_kernels.py --threads 1,2
 
 test-all: $(STAMP)
 	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q

@@ -1,17 +1,19 @@
 """Shared test fixtures: where the project's shared data lives; a private kiln cache per test;
-small BPE tokenizers with and without the chat tokens (tests/chat and tests/posttrain use them)."""
+small BPE tokenizers with and without the chat tokens (tests/chat and tests/posttrain use them),
+KILN_TEST_THREADS and the `kernels` marker of `make test-kernels` (docs/testing.md)."""
 
 from __future__ import annotations
 
 import gzip
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.fixtures import EOT, live_process, require_shared
+from tests.fixtures import EOT, kiln_test_threads, live_process, require_shared
 
 if TYPE_CHECKING:
     from kiln.tokenizer import Tokenizer
@@ -19,6 +21,32 @@ if TYPE_CHECKING:
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 ASSETS = Path(__file__).resolve().parents[1] / "kiln" / "assets"
 _test_numbers = itertools.count()
+
+# Kernel-sensitive tests in files whose owners do not mark them (pytest node ids, no params):
+# `make test-kernels` reruns them with the `kernels`-marked ones.
+KERNEL_SENSITIVE = frozenset(
+    {
+        "tests/serve/engine/test_engine.py::test_seeded_request_is_bitwise_independent_of_the_batch",
+        "tests/serve/engine/test_engine.py::test_greedy_equals_generate_alone_for_mixed_lengths",
+        "tests/serve/engine/test_invariant.py::test_a_tiled_row_has_the_same_bits_alone_and_amid_1_to_40_others",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under KILN_TEST_THREADS, every test runs with that many torch threads (not only those
+    whose directory pins one thread), so `make test-kernels` varies the reduction order."""
+    if "KILN_TEST_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(kiln_test_threads())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests listed in KERNEL_SENSITIVE as `kernels`."""
+    for item in items:
+        if item.nodeid.split("[")[0] in KERNEL_SENSITIVE:
+            item.add_marker(pytest.mark.kernels)
 
 
 @pytest.fixture(scope="session")

@@ -22,13 +22,23 @@ def require_shared(path: Path) -> Path:
     pytest.skip(f"shared data not found at {path}")
 
 
+def kiln_test_threads() -> int:
+    """Torch intra-op threads for the tests: KILN_TEST_THREADS (default 1; `make test-kernels`
+    runs the kernel-sensitive tests under 1 and 2)."""
+    raw = os.environ.get("KILN_TEST_THREADS", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KILN_TEST_THREADS={raw!r}: expected a whole number of threads, >= 1")
+    return int(raw)
+
+
 def single_torch_thread() -> Iterator[None]:
-    """Run a test with one intra-op thread: tiny models gain nothing from more, sums stay ordered
-    and the 2-core machine is not oversubscribed (wrap with pytest.fixture(autouse=True))."""
+    """Run a test with KILN_TEST_THREADS intra-op threads, one by default: tiny models gain
+    nothing from more, sums stay ordered and the 2-core machine is not oversubscribed (wrap with
+    pytest.fixture(autouse=True))."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(kiln_test_threads())
     yield
     torch.set_num_threads(before)
 

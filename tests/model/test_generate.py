@@ -60,6 +60,7 @@ def test_greedy_with_cache_equals_repeated_full_forward(cfg: ModelConfig) -> Non
     ]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES.keys())
 def test_batched_prompts_of_different_lengths_decode_as_if_alone(cfg: ModelConfig) -> None:
     model = build(cfg)
@@ -70,6 +71,7 @@ def test_batched_prompts_of_different_lengths_decode_as_if_alone(cfg: ModelConfi
     assert batched[1] == greedy_by_full_forward(model, prompts[1], 12)
 
 
+@pytest.mark.kernels
 def test_cached_logits_equal_full_forward_logits() -> None:
     model = build(llama_small())
     idx = torch.randint(0, 300, (2, 12))

@@ -236,6 +236,7 @@ def test_loss_under_bf16_autocast_is_close_to_fp32() -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES.keys())
 def test_math_and_sdpa_backends_agree(cfg: ModelConfig) -> None:
     sdpa = build(cfg)
@@ -337,6 +338,7 @@ def test_triton_backend_hands_causal_attention_to_the_kernel(monkeypatch) -> Non
     assert len(calls) == cfg.n_layer  # the prefill only: decode steps against the cache use SDPA
 
 
+@pytest.mark.kernels
 def test_dropout_only_in_training_mode() -> None:
     model = Transformer(gpt2_small(dropout=0.5))
     idx = torch.randint(0, 300, (1, 8))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at", type=int, default=0)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # two processes on two cores, and a fixed reduction order
+    # Two processes on two cores, and a fixed reduction order; `make test-kernels` varies it.
+    torch.set_num_threads(int(os.environ.get("KILN_TEST_THREADS", "1")))
     cfg = load_train_config(CONFIGS / "tiny.toml", args.set)
 
     def stop(trainer: Trainer, step: int, loss: float) -> None:

@@ -115,7 +115,7 @@ def start_from(source: Path, step: int, run_dir: Path) -> None:
 
 def main(argv: list[str]) -> int:
     """Every run of the plan, in order, in this one process group."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("KILN_TEST_THREADS", "1")))  # make test-kernels
     plan_file = Path(argv[0])
     plan = json.loads(plan_file.read_text(encoding="utf-8"))
     rank = int(os.environ.get("RANK", "0"))

@@ -122,6 +122,7 @@ def _assert_same_curve(a: Path, b: Path) -> None:
         ), key
 
 
+@pytest.mark.kernels
 @needs_gloo
 def test_ddp_two_processes_match_one_process(ddp_run: Path, make_config: MakeConfig) -> None:
     single = _single(make_config, "single")

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.train.golden_curve import CURVE, STEPS, first_difference, pinned_losses
 
 REL = 1e-5  # observed AVX-512 vs AVX2 kernels: under 1e-7; a real change moves far more
 
 
+@pytest.mark.kernels
 def test_twenty_steps_reproduce_the_stored_loss_curve() -> None:
     expected = json.loads(CURVE.read_text())["losses"]
     assert len(expected) == STEPS

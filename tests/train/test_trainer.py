@@ -56,6 +56,7 @@ def test_trainer_refuses_a_global_batch_that_does_not_split(make_config: MakeCon
         ),
     ],
 )
+@pytest.mark.kernels
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(
     make_config: MakeConfig, options: list[str], signum: int
 ) -> None:

@@ -59,6 +59,7 @@ def _ids(batch: int = 2, length: int = 40) -> torch.Tensor:
     return torch.randint(0, 300, (batch, length))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("make", HF_MODELS.values(), ids=HF_MODELS.keys())
 def test_import_from_transformers_gives_equal_logits(make) -> None:
     hf = make()
@@ -70,6 +71,7 @@ def test_import_from_transformers_gives_equal_logits(make) -> None:
     torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("make", HF_MODELS.values(), ids=HF_MODELS.keys())
 def test_loss_matches_transformers_loss(make) -> None:
     hf = make()

@@ -81,6 +81,7 @@ def kiln_loss(policy: Transformer, ref: Transformer, loss_type: str, beta: float
     return preference_loss(policy, ref, pairs, DPOConfig(beta=beta, loss_type=loss_type))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_loss_and_gradients_equal_trl(loss_type: str) -> None:
     beta = 0.3

@@ -61,6 +61,7 @@ def test_a_conversation_with_nothing_to_learn_makes_no_row() -> None:
         build_rows([([1, 2, 3], [0, 0, 0])], 8)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_document_masking_equals_each_conversation_alone(arch: str) -> None:
     """Packed logits and loss are those of each conversation run on its own."""

@@ -59,6 +59,7 @@ def _metrics(run: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("mode", [FULL, LORA], ids=["full", "lora"])
 def test_interrupted_then_resumed_sft_equals_an_uninterrupted_one(
     chat_run: Path, conversations: Path, tmp_path: Path, mode: list[str]
