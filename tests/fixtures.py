@@ -31,6 +31,12 @@ def kiln_test_threads() -> int:
     return int(raw)
 
 
+def thread_counts() -> list[int]:
+    """The torch thread counts a test that varies them should try: KILN_TEST_THREADS alone when
+    `make test-kernels` sets it (each matrix cell is one count), else 1 and 2."""
+    return [kiln_test_threads()] if "KILN_TEST_THREADS" in os.environ else [1, 2]
+
+
 def single_torch_thread() -> Iterator[None]:
     """Run a test with KILN_TEST_THREADS intra-op threads, one by default: tiny models gain
     nothing from more, sums stay ordered and the 2-core machine is not oversubscribed (wrap with

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,20 +55,22 @@ def parse_threads(text: str) -> list[int]:
 
 
 def kernel_test_files() -> list[str]:
-    """The files that hold `kernels` tests (collected once, so each cell imports only those)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "kernels", "--collect-only", "-p",
-         "no:cacheprovider"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    files = sorted({line.split("::")[0] for line in done.stdout.splitlines() if "::" in line})
-    if done.returncode != 0 or not files:
-        raise SystemExit(f"collecting the `kernels` tests failed:\n{done.stdout[-3000:]}")
-    return files
+    """The test files that hold `kernels` tests: those that mark one, and those that
+    tests/conftest.py's KERNEL_SENSITIVE names (a text scan: collecting the whole suite to find
+    them would cost more than a cell)."""
+    tests = ROOT / "tests"
+    files = {p for p in tests.rglob("test_*.py") if "pytest.mark.kernels" in p.read_text("utf-8")}
+    conftest = (tests / "conftest.py").read_text("utf-8")
+    files |= {ROOT / m for m in re.findall(r'"(tests/[^":]+\.py)::', conftest)}
+    if not files:
+        raise SystemExit("no test file marks a `kernels` test (pytest.mark.kernels)")
+    return sorted(str(f.relative_to(ROOT)) for f in files)
 
 
-def run_cell(env_over: dict[str, str], threads: int, junit: Path, pytest_args: list[str]) -> int:
-    """One pytest process over the `kernels` tests; its exit status."""
+def start_cell(
+    env_over: dict[str, str], threads: int, junit: Path, pytest_args: list[str], log: Path
+) -> subprocess.Popen[bytes]:
+    """Start one pytest process over the `kernels` tests, its output into `log`."""
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_VARS}
     env.update(env_over)
     env["KILN_TEST_THREADS"] = str(threads)
@@ -76,7 +79,8 @@ def run_cell(env_over: dict[str, str], threads: int, junit: Path, pytest_args: l
         sys.executable, "-m", "pytest", "-q", "-m", "kernels", "-p", "no:cacheprovider",
         f"--junitxml={junit}", *pytest_args,
     ]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
+    with log.open("wb") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -101,6 +105,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", default="1,2", help="torch threads per cell (default 1,2)")
     parser.add_argument("--extra", action="store_true", help="add the non-CI MKL cells")
     parser.add_argument("--only", default="", help="comma-separated cell names to run")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="one-thread cells run at once (default 2)"
+    )
     args = parser.parse_args(ours)
     threads = parse_threads(args.threads)
     cells = {**CI_CELLS, **(EXTRA_CELLS if args.extra else {})}
@@ -118,16 +125,29 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     if not any(not a.startswith("-") for a in pytest_args):  # no paths given: the marked files
         pytest_args = [*kernel_test_files(), *pytest_args]
+    # One-thread cells run two at a time (one per core of the 2-core CI machine); others alone.
+    plan = [(f"{name}/t{t}", env, t) for name, env in cells.items() for t in threads]
+    waves: list[list[tuple[str, dict[str, str], int]]] = []
+    for cell in plan:
+        if cell[2] == 1 and waves and len(waves[-1]) < args.jobs and waves[-1][0][2] == 1:
+            waves[-1].append(cell)
+        else:
+            waves.append([cell])
     with tempfile.TemporaryDirectory() as tmp:
-        for name, env in cells.items():
-            for t in threads:
-                column = f"{name}/t{t}"
+        for wave in waves:
+            running = []
+            for column, env, t in wave:
                 print(f"== {column}: {env or 'no kernel variables'}", flush=True)
-                junit = Path(tmp) / f"{len(columns)}.xml"
-                began = time.perf_counter()
-                code = run_cell(env, t, junit, pytest_args)
-                summary.append((column, code, time.perf_counter() - began))
+                index = len(columns)
                 columns.append(column)
+                junit, log = Path(tmp) / f"{index}.xml", Path(tmp) / f"{index}.log"
+                running.append((column, junit, log, time.perf_counter(),
+                                start_cell(env, t, junit, pytest_args, log)))  # fmt: skip
+            for column, junit, log, began, proc in running:
+                code = proc.wait()
+                summary.append((column, code, time.perf_counter() - began))
+                if code != 0:
+                    print(f"-- {column} failed; its output:\n{log.read_text(errors='replace')}")
                 for test, outcome in outcomes(junit).items():
                     results.setdefault(test, {})[column] = outcome
     total = time.perf_counter() - start

@@ -122,7 +122,8 @@ def _assert_same_curve(a: Path, b: Path) -> None:
         ), key
 
 
-@pytest.mark.kernels
+# Not in `make test-kernels` (torchrun start-up is most of a cell's time); a tolerance test in
+# the default run (docs/testing.md).
 @needs_gloo
 def test_ddp_two_processes_match_one_process(ddp_run: Path, make_config: MakeConfig) -> None:
     single = _single(make_config, "single")

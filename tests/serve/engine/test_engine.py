@@ -11,6 +11,7 @@ from kiln.errors import KilnError
 from kiln.model.generate import generate
 from kiln.serve.engine import Engine
 from kiln.serve.engine.sampling import SamplingParams
+from tests.fixtures import thread_counts
 from tests.serve.conftest import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -122,7 +123,7 @@ def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
     return run(False), run(True)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", thread_counts())
 def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine, threads) -> None:
     """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step."""
     torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.serve.engine.invariant import TiledMatmuls, pad_rows, tiled_linear, tiled_matmul
+from tests.fixtures import thread_counts
 
 SHAPES = [(256, 768), (256, 4096), (704, 256), (64, 384)]  # demo and test model (K, N)
 
@@ -22,7 +23,7 @@ def crowds(x: torch.Tensor, row: int):
         yield batch, at
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", thread_counts())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tiled_row_has_the_same_bits_alone_and_amid_1_to_40_others(dtype, threads) -> None:
     torch.set_num_threads(threads)
