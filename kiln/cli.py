@@ -19,6 +19,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
     "kiln.train.cli",
+    "kiln.loading.cli",
     "kiln.posttrain.cli",
     "kiln.eval.cli",
     "kiln.scaling.cli",

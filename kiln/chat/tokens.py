@@ -7,13 +7,12 @@ stops at END (DESIGN.md, "Chat format"). The tokens are special tokens: `kiln to
 
 from __future__ import annotations
 
+from kiln.tokenizer.special import ASSISTANT, CHAT_TOKENS, END, SYSTEM, USER
 from kiln.tokenizer.tokenizer import Tokenizer
 
-SYSTEM = "<|system|>"
-USER = "<|user|>"
-ASSISTANT = "<|assistant|>"
-END = "<|end|>"
-CHAT_TOKENS = (SYSTEM, USER, ASSISTANT, END)
+__all__ = [
+    "ASSISTANT", "CHAT_TOKENS", "END", "ROLES", "ROLE_TOKENS", "SYSTEM", "USER", "with_chat_tokens"
+]  # fmt: skip
 
 ROLE_TOKENS: dict[str, str] = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
 ROLES = tuple(ROLE_TOKENS)

@@ -9,11 +9,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kiln.chat.tokens import CHAT_TOKENS
 from kiln.commands import add_command_group, add_subcommand, add_tokenizer_option
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
-from kiln.tokenizer.special import EOT
+from kiln.tokenizer.special import CHAT_TOKENS, EOT
 
 DEFAULT_SPECIAL = EOT
 
