@@ -66,9 +66,19 @@ def _imported_modules(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+            targets = {f"{node.module}.{alias.name}" for alias in node.names}
+            names |= targets
+            # `from kiln.pkg import module` loads only that module's file: the package's
+            # __init__ counts when a name is taken from it.
+            if not all(_is_module(t) for t in targets):
+                names.add(node.module)
     return {n for n in names if n == "kiln" or n.startswith("kiln.")}
+
+
+def _is_module(dotted: str) -> bool:
+    """Whether `kiln.a.b` names a module file or package of kiln."""
+    path = KILN.joinpath(*dotted.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _module_files() -> dict[str, Path]:

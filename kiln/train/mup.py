@@ -2,7 +2,7 @@
 
 A model is in µP when `ModelConfig.mup_base_width` is set; m = n_embd / mup_base_width. At the
 base width (m = 1) µP and standard parameterisation (SP) are the same model, so learning rates
-tuned there carry to any width. Relative to SP (roles from `optim.split_parameters`):
+tuned there carry to any width. Relative to SP (roles from `param_roles.split_parameters`):
 
     role         init std      AdamW lr    Muon lr      forward (kiln.model, from the config)
     hidden       σ / √m        lr / m      lr / √m      attention scores · √D₀/D (1/D, not 1/√D)
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.model.config import ModelConfig
+from kiln.train.param_roles import split_parameters
 
 ROLES = ("hidden", "head", "embedding", "vector")
 
@@ -45,8 +46,6 @@ def init_multipliers(cfg: ModelConfig) -> dict[str, float]:
 @torch.no_grad()
 def apply_mup_init(model: nn.Module) -> None:
     """Rescale a freshly initialised (SP) model's weights to µP's init; no-op under SP."""
-    from kiln.train.optim import split_parameters
-
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     if cfg.mup_base_width is None:
         return

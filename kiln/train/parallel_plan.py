@@ -82,7 +82,7 @@ class ParallelPlan:
     def apply(self, model: nn.Module, cfg: TrainConfig) -> tuple[nn.Module, Any]:
         """(this rank's modules: what the optimizer and checkpoints see, what the loop calls)."""
         if self.mode == "mesh":
-            return mesh_ops.parallelize_for_mesh(model, cfg, self.mesh, self.microbatches)
+            return parallelize_for_mesh(model, cfg, self.mesh, self.microbatches)
         return model, mesh_ops.parallelize_1d(model, cfg, self.mode, self.dist.world_size)
 
     def loss_and_clip(
@@ -134,3 +134,19 @@ class ParallelPlan:
     def finish(self) -> None:
         """Publish a background (async) save before the run returns."""
         sharded.finish_pending(self.dist)
+
+
+def parallelize_for_mesh(
+    model: nn.Module, cfg: TrainConfig, mesh: Mesh, microbatches: int
+) -> tuple[nn.Module, Any]:
+    """(this rank's modules: what the optimizer and checkpoints see, what the loop calls).
+
+    Without pipeline stages both are `model`, parallelised in place. With them, the stages this
+    rank runs (pipeline.py), and a callable that runs one pipeline step of `microbatches`.
+    """
+    if mesh.size("pp") == 1:
+        mesh_ops.parallelize_mesh(model, cfg, mesh)
+        return model, model
+    from kiln.train.pipeline import build_pipeline  # torch's pipelining, only when pp > 1
+
+    return build_pipeline(model, cfg, mesh, microbatches)

@@ -451,19 +451,3 @@ def global_loss(local_mean: Tensor, mesh: Mesh) -> float:
     """The step's mean loss: the loss-owning ranks' means, averaged over the data-parallel ranks."""
     result = loss_ranks_sum(local_mean, mesh) / mesh.dp_size
     return result if math.isfinite(result) else float("nan")
-
-
-def parallelize_for_mesh(
-    model: nn.Module, cfg: TrainConfig, mesh: Mesh, microbatches: int
-) -> tuple[nn.Module, Any]:
-    """(this rank's modules: what the optimizer and checkpoints see, what the loop calls).
-
-    Without pipeline stages both are `model`, parallelised in place. With them, the stages this
-    rank runs (pipeline.py), and a callable that runs one pipeline step of `microbatches`.
-    """
-    if mesh.size("pp") == 1:
-        parallelize_mesh(model, cfg, mesh)
-        return model, model
-    from kiln.train.pipeline import build_pipeline
-
-    return build_pipeline(model, cfg, mesh, microbatches)
