@@ -40,6 +40,13 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     logprobs: list[TokenEvent] | None
     error: str | None = None
+    drafted: int = 0  # draft tokens the target checked for this sample (speculative engine)
+    accepted: int = 0  # of those, kept
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept drafts / checked drafts; None when no draft was checked."""
+        return self.accepted / self.drafted if self.drafted else None
 
 
 _ids = itertools.count()
