@@ -377,7 +377,7 @@ class Engine:
             self.steps += 1
             try:
                 drafts = self._draft(work) if self.drafter is not None else {}
-                logits = self._forward(work, drafts)
+                logits = self._forward(work, drafts) if drafts else self._forward(work)
             except Exception as exc:  # the step's requests fail, the engine lives
                 for w in work:
                     self._fail(w.seq.owner.request, exc)
