@@ -143,6 +143,11 @@ class RequestHandle:
         """Stop generating; the request's KV blocks are freed at the next step at the latest."""
         self.engine._cancel(self)
 
+    def completions(self) -> list[Completion]:
+        """The samples finished so far, sample index order (without waiting)."""
+        with self._cond:
+            return [self._completions[i] for i in sorted(self._completions)]
+
     def result(self, timeout: float | None = None) -> list[Completion]:
         """The n completions, sample index order, once all are finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
