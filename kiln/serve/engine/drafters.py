@@ -56,19 +56,39 @@ class EngineDrafter(Protocol):
 
 
 class LookupDrafter:
-    """Prompt lookup for the engine: each sequence's own context, longest n-gram first."""
+    """Prompt lookup for the engine: each sequence's own context, longest n-gram first.
+
+    The copy continues past the context's end as an overlapping copy does (LZ77-style): when
+    the latest match is only a few tokens back, as in a repeating pattern, the proposal repeats
+    the pattern up to k tokens instead of stopping where the context ends.
+    """
 
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.lookup = PromptLookupDrafter(max_ngram, min_ngram)
+        PromptLookupDrafter(max_ngram, min_ngram)  # the same checks of the n-gram range
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def setup(self, target: Transformer, num_blocks: int, block_size: int) -> None:
         """Nothing to size: prompt lookup keeps no state."""
 
     def propose(self, requests: Sequence[tuple[object, list[int], int]]) -> list[list[int]]:
         """Up to k tokens per sequence that followed its suffix's latest earlier occurrence."""
-        return [self.lookup.propose(ctx, k)[0] if k > 0 else [] for _, ctx, k in requests]
+        return [self._one(ctx, k) for _, ctx, k in requests]
+
+    def _one(self, ctx: list[int], k: int) -> list[int]:
+        L = len(ctx)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            suffix = ctx[L - n :]
+            for start in range(L - n - 1, -1, -1):  # the latest occurrence first
+                if ctx[start : start + n] == suffix:
+                    src = start + n
+                    out: list[int] = []
+                    while len(out) < k:
+                        j = src + len(out)
+                        out.append(ctx[j] if j < L else out[j - L])
+                    return out
+        return []
 
     def release(self, key: object) -> None:
         """Nothing held."""

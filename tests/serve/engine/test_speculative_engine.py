@@ -210,3 +210,10 @@ def test_a_seeded_sample_repeats_with_the_same_drafter(llama, make_spec) -> None
     runs = [make_spec(llama, LookupDrafter(), block_size=4).generate([prompt], params)[0][0]
             for _ in range(2)]  # fmt: skip
     assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_prompt_lookup_continues_a_repeating_pattern_past_the_context() -> None:
+    lookup = LookupDrafter(max_ngram=2)
+    asks = [("a", [1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3), ("b", [7, 8, 9, 7, 8], 5),
+            ("c", [1, 2, 3], 4), ("d", [4, 4, 4], 3)]  # fmt: skip
+    assert lookup.propose(asks) == [[5, 6, 1], [9, 7, 8, 9, 7], [], [4, 4, 4]]
