@@ -47,3 +47,21 @@ def test_usage_and_metrics_report_draft_acceptance(base_model: Path) -> None:
         assert metric(text, "kiln_speculative_accepted_tokens_total") == 2 * used["draft_tokens"]
         assert metric(text, "kiln_speculative_acceptance_rate_count") == 2
         assert 'kiln_speculative_acceptance_rate_bucket{le="0.9"} 0' in text  # both at 1.0
+
+
+def test_kiln_serve_draft_flags(base_model: Path, capsys) -> None:
+    from kiln.cli import main
+    from tests.serve.http.test_server_cli import _start
+
+    assert main(["serve", str(base_model), "--draft", "ngram", "--draft-k", "0"]) == 2
+    assert "--draft-k must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", str(base_model), "--draft", "ngram", "--draft-max-batch", "0"]) == 2
+    assert "--draft-max-batch must be >= 1, got 0" in capsys.readouterr().err
+    proc, url = _start(base_model, "--draft", "ngram", "--draft-k", "3")
+    try:
+        body = {"model": "model", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+        assert out["usage"]["speculative"]["draft_tokens"] > 0
+    finally:
+        proc.kill()
+        proc.wait()
