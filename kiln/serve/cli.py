@@ -83,12 +83,85 @@ def register_sample(sub: argparse._SubParsersAction) -> None:
     )
     add_device_options(p)
     quantize.add_quantize_options(p)
+    add_draft_options(p, serve=False)
     p.set_defaults(handler=run_sample)
+
+
+DRAFT_HELP = """speculative decoding: 'ngram' (prompt lookup: no model), a draft model folder (any
+folder kiln loads, same vocabulary as MODEL), or 'self:N' (MODEL's own first N layers: shows the
+mechanics, rarely a speed-up)"""
+
+
+def add_draft_options(p: argparse.ArgumentParser, serve: bool) -> None:
+    """--draft and its settings (speculative decoding in the engine)."""
+    from kiln.serve.engine import EngineConfig
+
+    d = EngineConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", metavar="MODEL|ngram|self:N", default=None, help=DRAFT_HELP)
+    g.add_argument("--draft-k", type=int, default=d.speculative_k,
+                   help=f"draft tokens checked per step (default {d.speculative_k})")  # fmt: skip
+    if serve:
+        g.add_argument(
+            "--draft-max-batch", type=int, default=d.speculative_max_batch,
+            help="speculate only in steps where at most this many sequences decode (default "
+            f"{d.speculative_max_batch}; a larger batch decodes plainly: it would be slower)",
+        )  # fmt: skip
+
+
+def check_draft_args(args: argparse.Namespace) -> None:
+    """One clear line for a bad --draft-k / --draft-max-batch, before anything loads."""
+    if args.draft_k < 1:
+        raise KilnError(f"--draft-k must be >= 1, got {args.draft_k}")
+    if getattr(args, "draft_max_batch", 1) < 1:
+        raise KilnError(f"--draft-max-batch must be >= 1, got {args.draft_max_batch}")
+    if args.draft is not None and args.draft.startswith("self:"):
+        n = args.draft[len("self:") :]
+        if not n.isdigit() or int(n) < 1:
+            raise KilnError(f"--draft {args.draft}: expected self:N with N >= 1 target layers")
+
+
+def drafter_from_args(args: argparse.Namespace, loaded: Any, command: str) -> Any:
+    """The engine drafter --draft names (None without --draft); prints what drafts."""
+    if args.draft is None:
+        return None
+    from kiln.serve.engine.drafters import LookupDrafter, ModelDrafter, truncated
+
+    if args.draft == "ngram":
+        drafter: Any = LookupDrafter()
+        shown = "prompt lookup (n-gram)"
+    elif args.draft.startswith("self:"):
+        n = int(args.draft[len("self:") :])
+        try:
+            draft = truncated(loaded.model, n)
+        except KilnError as exc:
+            raise KilnError(f"--draft {args.draft}: {exc}") from None
+        drafter = ModelDrafter(draft, loaded.autocast, name=args.draft)
+        shown = f"the model's first {n} of {loaded.model.cfg.n_layer} layers"
+    else:
+        from kiln.loading import load_model
+
+        try:
+            other = load_model(args.draft, device=args.device, dtype=args.dtype,
+                               need_tokenizer=False)  # fmt: skip
+        except KilnError as exc:
+            raise KilnError(f"--draft {args.draft}: {exc}") from None
+        if other.model.cfg.vocab_size != loaded.model.cfg.vocab_size:
+            raise KilnError(
+                f"--draft {args.draft}: its vocabulary ({other.model.cfg.vocab_size}) differs "
+                f"from MODEL's ({loaded.model.cfg.vocab_size}); a draft must share the tokenizer"
+            )
+        drafter = ModelDrafter(other.model, other.autocast, name=str(args.draft))
+        shown = f"draft model {other.source}"
+    print(f"{command}: speculative decoding, {args.draft_k} drafts a step from {shown} "
+          "(engine.batch_invariant off)", file=sys.stderr)  # fmt: skip
+    return drafter
 
 
 def run_sample(args: argparse.Namespace) -> int:
     """Check the arguments, load the model (and tokenizer), then stream the sample to stdout."""
     _check_args(args)  # every flag is checked before anything loads or prints
+    check_draft_args(args)
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     from kiln.loading import load_model
 
@@ -143,12 +216,18 @@ def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Ite
     stop = [i for i in stop if i >= 0]  # a negative --stop-id matches nothing: no stop at all
     try:
         check_servable(loaded.model.cfg)
-    except ConfigError:
+    except ConfigError as exc:
+        if args.draft is not None:
+            raise KilnError(
+                f"--draft needs the engine, which cannot serve this model: {exc}"
+            ) from None
         yield from _generate_events(loaded, ids, args, stop)
         return
+    drafter = drafter_from_args(args, loaded, "kiln sample")
     config = EngineConfig(max_num_seqs=1, prefix_caching=False,
-                          num_blocks=-(-(len(ids) + args.max_tokens) // 16))  # fmt: skip
-    engine = Engine.from_loaded(loaded, config)
+                          num_blocks=-(-(len(ids) + args.max_tokens) // 16),
+                          batch_invariant=drafter is None, speculative_k=args.draft_k)  # fmt: skip
+    engine = Engine.from_loaded(loaded, config, drafter)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
@@ -159,6 +238,10 @@ def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Ite
     (done,) = handle.result()
     if done.finish_reason == "error":
         raise KilnError(f"generation failed: {done.error}")
+    if drafter is not None:
+        rate = f" ({done.acceptance_rate:.0%})" if done.acceptance_rate is not None else ""
+        print(f"\nkiln sample: drafts accepted {done.accepted}/{done.drafted}{rate}",
+              file=sys.stderr)  # fmt: skip
 
 
 def _generate_events(
@@ -285,6 +368,7 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
                         help=f"engine's waiting queue (default {d.max_waiting}; full: 429)")  # fmt: skip
     limits.add_argument("--max-num-seqs", type=int, default=None,
                         help="sequences the engine batches at once (default: the engine's)")  # fmt: skip
+    add_draft_options(p, serve=True)
     p.set_defaults(handler=run_serve)
 
 
@@ -321,6 +405,7 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
     if args.grace < 0:
         raise KilnError(f"--grace {args.grace}: expected seconds >= 0")
+    check_draft_args(args)
 
     from kiln.loading import load_model
     from kiln.serve.engine import Engine, EngineConfig
@@ -328,10 +413,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
-    engine_options = {"max_waiting": limits.max_waiting}
+    engine_options: dict[str, Any] = {"max_waiting": limits.max_waiting}
     if args.max_num_seqs is not None:
         engine_options["max_num_seqs"] = args.max_num_seqs
-    engine = Engine.from_loaded(loaded, EngineConfig(**engine_options))
+    drafter = drafter_from_args(args, loaded, "kiln serve")
+    if drafter is not None:
+        engine_options |= {"batch_invariant": False, "speculative_k": args.draft_k,
+                           "speculative_max_batch": args.draft_max_batch}  # fmt: skip
+    engine = Engine.from_loaded(loaded, EngineConfig(**engine_options), drafter)
     name = args.model_name or Path(args.model).resolve().name
     options = ServerOptions(name, limits, api_key, tuple(args.cors_origin))
     app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, options)

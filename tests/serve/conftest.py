@@ -49,7 +49,9 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
 
     def make(model: Transformer, tokenizer: Tokenizer | None = None, **config: Any) -> Engine:
         eot = config.pop("eot_id", None)
-        engine = Engine(model, tokenizer, EngineConfig(**config), eot_id=eot)
+        drafter = config.pop("drafter", None)
+        cls = config.pop("engine_cls", Engine)
+        engine = cls(model, tokenizer, EngineConfig(**config), eot_id=eot, drafter=drafter)
         made.append(engine)
         return engine
 

@@ -96,3 +96,39 @@ def test_a_model_the_engine_cannot_page_samples_through_generate(
                 "--max-tokens", "6", "--temperature", "0", "--dtype", "fp32"]) == 0  # fmt: skip
     printed = [int(t) for t in capsys.readouterr().out.split()]
     assert printed == generate(model.eval(), [[5, 6, 7]], 6, temperature=0)[0]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self:1", "model"])
+def test_sample_with_a_draft_prints_the_greedy_continuation(
+    hf_dir: Path, draft: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    draft_arg = str(hf_dir) if draft == "model" else draft  # the model drafting for itself
+    prompt = [464, 2068, 464, 2068, 464]
+    assert run(["sample", str(hf_dir), "--prompt-ids", ",".join(map(str, prompt)),
+                "--max-tokens", "12", "--temperature", "0", "--stop-id", "-1", "--dtype", "fp32",
+                "--draft", draft_arg, "--draft-k", "3"]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    expected = generate(load_hf_dir(hf_dir).eval(), [prompt], 12, temperature=0)[0]
+    assert [int(t) for t in out.out.split()] == expected
+    assert "speculative decoding, 3 drafts a step" in out.err
+    assert "drafts accepted" in out.err
+    if draft == "model":
+        # The prefill gives token 1; then 3 + 1, 3 + 1 and (cut to the length) 2 + 1.
+        assert "drafts accepted 8/8 (100%)" in out.err
+
+
+def test_sample_draft_errors_are_clear(hf_dir: Path, tmp_path: Path) -> None:
+    base = ["sample", str(hf_dir), "--prompt-ids", "1,2", "--dtype", "fp32", "--max-tokens", "4"]
+    with pytest.raises(KilnError, match="--draft-k must be >= 1, got 0"):
+        run([*base, "--draft", "ngram", "--draft-k", "0"])
+    with pytest.raises(KilnError, match="--draft self:x: expected self:N"):
+        run([*base, "--draft", "self:x"])
+    with pytest.raises(KilnError, match=r"--draft self:5: .*1 <= layers <= 1"):
+        run([*base, "--draft", "self:5"])
+    with pytest.raises(KilnError, match=r"--draft .*not a model folder"):
+        run([*base, "--draft", str(tmp_path)])
+    other = tmp_path / "other"
+    cfg = transformers.GPT2Config(vocab_size=100, n_layer=1, n_head=2, n_embd=32, n_positions=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(other)
+    with pytest.raises(KilnError, match=r"its vocabulary \(100\) differs from MODEL's"):
+        run([*base, "--draft", str(other)])

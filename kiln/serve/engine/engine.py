@@ -8,6 +8,16 @@ batch_invariant (the default) the forward runs every weight matmul in fixed 16-r
 decode attention in fixed tiles of sequences, so on CPU a request's logits are bitwise the same
 whatever else is in the batch (see `invariant.py`; docs/engine.md lists what it was verified
 under and what it costs).
+
+With a drafter (drafters.py) the step speculates: each decoding sequence's last token and up to
+k draft tokens are checked in the same one forward (a k+1-token segment of the packed row), the
+accepted drafts and one more token are committed to the sequence and its blocks, the rejected
+drafts' blocks go back to the pool. The accept/reject rule is speculative.py's, applied after
+the request's own penalties, processors and truncation, so greedy output is the target's and
+sampled output is distributed as the target's. Speculation is switched off for a step when more
+than `speculative_max_batch` sequences decode in it (a large batch already fills the matmuls,
+and checking k+1 tokens per sequence then costs about k+1 times as much). Whether a step
+speculates depends on the batch, so a drafter and batch_invariant are refused together.
 """
 
 from __future__ import annotations
@@ -25,11 +35,19 @@ import torch
 from kiln.config import ConfigError, require
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
+from kiln.serve.engine import speculative
 from kiln.serve.engine.block_pool import BlockPool, block_bytes
 from kiln.serve.engine.invariant import ROWS, TiledMatmuls, pad_rows
-from kiln.serve.engine.paged_cache import PagedStep
+from kiln.serve.engine.paged_cache import PagedStep, Segment
 from kiln.serve.engine.requests import Completion, RequestHandle, TokenEvent
-from kiln.serve.engine.sampling import Sampled, SamplingParams, sample_generator, sample_token
+from kiln.serve.engine.sampling import (
+    Sampled,
+    SamplingParams,
+    apply_penalties,
+    sample_generator,
+    sample_token,
+    truncate,
+)
 from kiln.serve.engine.scheduler import Scheduler, Work
 from kiln.serve.engine.scheduler import Sequence as Seq
 from kiln.serve.engine.stop import TextStream
@@ -37,6 +55,7 @@ from kiln.serve.engine.stop import TextStream
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
     from kiln.model.config import ModelConfig
+    from kiln.serve.engine.drafters import EngineDrafter
     from kiln.tokenizer.tokenizer import Tokenizer
 
 
@@ -69,11 +88,14 @@ class EngineConfig:
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
     invariant_rows: int = ROWS  # the fixed row tile of every matmul when batch_invariant
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
+    speculative_k: int = 4  # with a drafter: draft tokens checked per sequence per step
+    speculative_max_batch: int = 8  # with a drafter: speculate only when this many decode or fewer
 
     def __post_init__(self) -> None:
         """Refuse values the engine cannot run with, naming the field."""
         for name in ("block_size", "max_num_seqs", "max_tokens_per_step", "prefill_chunk",
-                     "max_waiting", "invariant_rows", "default_kv_bytes"):  # fmt: skip
+                     "max_waiting", "invariant_rows", "default_kv_bytes", "speculative_k",
+                     "speculative_max_batch"):  # fmt: skip
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1,
                     f"engine.{name} must be an integer >= 1, got {value!r}",
@@ -103,6 +125,9 @@ class EngineStats:
     preemptions: int
     prefix_hits: int  # prompt tokens served from the prefix cache
     steps: int
+    draft_tokens: int = 0  # draft tokens checked by the target (with a drafter)
+    accepted_tokens: int = 0  # of those, kept
+    speculative_steps: int = 0  # steps that checked drafts
 
 
 @dataclass(eq=False)
@@ -118,6 +143,8 @@ class _Sample:
     events: list[TokenEvent] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     done: Completion | None = None
+    drafted: int = 0  # draft tokens the target checked for this sample
+    accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -159,6 +186,7 @@ class Engine:
         *,
         eot_id: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        drafter: EngineDrafter | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -171,6 +199,12 @@ class Engine:
         cfg = model.cfg
         c = self.config
         check_servable(cfg)
+        if drafter is not None and c.batch_invariant:
+            raise EngineConfigError(
+                "engine.batch_invariant and a drafter are exclusive: whether a step speculates "
+                "depends on how many sequences decode in it, so a request's logits (and a seeded "
+                "request's tokens) would depend on the batch; set batch_invariant=False"
+            )
         per_block = block_bytes(cfg, c.block_size, param.dtype)
         if c.num_blocks is not None:
             num_blocks = c.num_blocks
@@ -185,6 +219,9 @@ class Engine:
                 f"({per_block} bytes each)"
             )
         self.pool = BlockPool(cfg, num_blocks, c.block_size, device=self.device, dtype=param.dtype)
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.setup(model, num_blocks, c.block_size)
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=c.max_num_seqs, max_tokens_per_step=c.max_tokens_per_step,
             prefill_chunk=c.prefill_chunk, prefix_caching=c.prefix_caching,
@@ -202,12 +239,18 @@ class Engine:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.steps = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.speculative_steps = 0
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig | None = None) -> Engine:
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig | None = None,
+        drafter: EngineDrafter | None = None,
+    ) -> Engine:  # fmt: skip
         """An engine over what kiln.loading.load_model returned (its precision included)."""
         engine = cls(loaded.model, loaded.tokenizer, config, eot_id=loaded.eot_id,
-                     autocast=loaded.autocast)  # fmt: skip
+                     autocast=loaded.autocast, drafter=drafter)  # fmt: skip
         engine.extra_stop_ids = frozenset(loaded.stop_ids)
         return engine
 
@@ -333,7 +376,8 @@ class Engine:
                 return 0
             self.steps += 1
             try:
-                logits = self._forward(work)
+                drafts = self._draft(work) if self.drafter is not None else {}
+                logits = self._forward(work, drafts) if drafts else self._forward(work)
             except Exception as exc:  # the step's requests fail, the engine lives
                 for w in work:
                     self._fail(w.seq.owner.request, exc)
@@ -348,6 +392,16 @@ class Engine:
                     continue
                 sample: _Sample = w.seq.owner
                 request = sample.request
+                proposed = drafts.get(w.seq)
+                if proposed is not None:
+                    if sample.done is None:
+                        try:
+                            rows = logits[row : row + len(proposed) + 1]
+                            produced += self._speculate(sample, rows, proposed)
+                        except Exception as exc:  # this request fails alone
+                            self._fail(request, exc)
+                    row += len(proposed) + 1
+                    continue
                 if sample.done is None:
                     try:
                         if request.params.plain_greedy and request.params.n == 1:
@@ -363,16 +417,117 @@ class Engine:
                 self.generated_tokens += produced
             return produced
 
-    def _forward(self, work: list[Work]) -> torch.Tensor:
-        """Logits (R, V) of the rows that sample, one forward over all segments."""
-        tokens = [t for w in work for t in w.seq.tokens[w.start : w.end]]
-        ends = list(itertools.accumulate(w.end - w.start for w in work))
-        rows = [end - 1 for w, end in zip(work, ends, strict=True) if w.sample]
+    def _draft(self, work: list[Work]) -> dict[Seq, list[int]]:
+        """Draft tokens per decoding sequence of this step (none when speculation is off)."""
+        assert self.drafter is not None
+        c, cfg = self.config, self.model.cfg
+        decoding = [w for w in work if w.sample and w.end - w.start == 1]
+        if not decoding or len(decoding) > c.speculative_max_batch:
+            return {}
+        room = c.max_tokens_per_step - sum(w.end - w.start for w in work)
+        asks: list[tuple[object, list[int], int]] = []
+        for w in decoding:
+            sample: _Sample = w.seq.owner
+            request = sample.request
+            if sample.done is not None or (request.params.n > 1 and not request.forked):
+                continue  # the first token forks the other samples: plain decoding
+            k = min(c.speculative_k, request.params.max_tokens - len(sample.generated) - 1,
+                    cfg.block_size - len(w.seq.tokens), room)  # fmt: skip
+            if k >= 1:
+                asks.append((w.seq, w.seq.tokens, k))
+                room -= k
+        if not asks:
+            return {}
+        proposals = self.drafter.propose(asks)
+        drafts: dict[Seq, list[int]] = {}
+        for (seq, _, k), proposed in zip(asks, proposals, strict=True):
+            ids = [int(t) for t in proposed[:k]]
+            valid = bool(ids) and all(0 <= t < cfg.vocab_size for t in ids)
+            # Blocks for the drafts' keys and values, never by preempting another sequence.
+            if valid and self.scheduler.reserve(seq, len(seq.tokens) + len(ids)):
+                drafts[seq] = ids
+        if drafts:
+            self.speculative_steps += 1
+        return drafts
+
+    def _speculate(self, sample: _Sample, rows: torch.Tensor, drafts: list[int]) -> int:
+        """Check drafts against the target's rows (m+1, V); commit the kept ones and one more."""
+        seq = sample.seq
+        assert seq is not None
+        params = sample.request.params
+        prompt = seq.tokens[: seq.prompt_len]
+        kept: list[int] = []
+        nxt = -1
+        for i, raw in enumerate(rows.float()):
+            row = apply_penalties(raw, params, prompt, [*sample.generated, *kept])
+            for processor in params.logits_processors:
+                row = processor([*sample.generated, *kept], row)
+            if params.greedy:
+                nxt = int(row.argmax())
+                if i < len(drafts) and drafts[i] == nxt:
+                    kept.append(nxt)
+                    continue
+                break
+            probs = truncate(row, params).softmax(dim=-1)
+            if i == len(drafts):
+                nxt = int(torch.multinomial(probs, 1, generator=sample.generator))
+                break
+            x = drafts[i]
+            # A deterministic draft is q = one-hot(x): kept with probability p(x), else the
+            # next token comes from p with x removed (speculative.py's rule).
+            if float(torch.rand((), generator=sample.generator)) < float(probs[x]):
+                kept.append(x)
+                continue
+            q = torch.zeros_like(probs)
+            q[x] = 1.0
+            residual = speculative.residual_distribution(probs, q)
+            nxt = int(torch.multinomial(residual, 1, generator=sample.generator))
+            break
+        sample.drafted += len(drafts)
+        sample.accepted += len(kept)
+        with self._lock:
+            self.draft_tokens += len(drafts)
+            self.accepted_tokens += len(kept)
+        produced = 0
+        for i, token in enumerate([*kept, nxt]):
+            produced += self._emit(sample, self._picked(rows[i], token, params))
+            if sample.done is not None:
+                return produced  # a stop or the length: its blocks are released already
+        self.scheduler.computed(seq, len(kept))  # the kept drafts' keys and values stay
+        self.scheduler.trim(seq)  # the rejected drafts' blocks go back to the pool
+        return produced
+
+    @staticmethod
+    def _picked(raw: torch.Tensor, token: int, params: SamplingParams) -> Sampled:
+        """A chosen token with the model's own logprobs (when asked), as sample_token gives."""
+        if params.logprobs is None:
+            return Sampled(token, None, None)
+        logp = raw.float().log_softmax(dim=-1)
+        top: list[tuple[int, float]] = []
+        if params.logprobs > 0:
+            values, ids = logp.topk(params.logprobs)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return Sampled(token, float(logp[token]), top)
+
+    def _forward(
+        self, work: list[Work], drafts: dict[Seq, list[int]] | None = None
+    ) -> torch.Tensor:
+        """Logits (R, V) of the rows that sample (a speculating one: m+1 rows), one forward."""
+        drafts = drafts or {}
+        tokens: list[int] = []
+        rows: list[int] = []
+        segments = []
+        for w in work:
+            extra = drafts.get(w.seq, [])
+            tokens += w.seq.tokens[w.start : w.end] + extra
+            segments.append(Segment(tuple(w.seq.blocks), w.start, w.end + len(extra)))
+            if w.sample:
+                rows += range(len(tokens) - 1 - len(extra), len(tokens))
         pad = 0
         if self.config.batch_invariant:  # whole tiles: elementwise ops and norms see them too
             pad = pad_rows(len(tokens), self.config.invariant_rows) - len(tokens)
         idx = torch.tensor(tokens + [0] * pad, dtype=torch.long, device=self.device)[None]
-        cache = PagedStep(self.pool, [w.segment() for w in work], self.device,
+        cache = PagedStep(self.pool, segments, self.device,
                           invariant=self.config.batch_invariant, pad_tokens=pad)  # fmt: skip
         tiles = contextlib.nullcontext()
         if self.config.batch_invariant:
@@ -461,6 +616,8 @@ class Engine:
         if sample.seq is not None:
             self.scheduler.remove(sample.seq)
             sample.seq.finished = True
+            if self.drafter is not None:
+                self.drafter.release(sample.seq)
         params = sample.request.params
         if reason in ("stop", "cancelled"):
             # Text held back (a possible stop-string start, an unfinished character) is the
@@ -469,6 +626,7 @@ class Engine:
         sample.done = Completion(
             sample.index, list(sample.generated), "".join(sample.text), reason,
             list(sample.events) if params.logprobs is not None else None, error,
+            sample.drafted, sample.accepted,
         )  # fmt: skip
         sample.request.handle._finish(sample.done)
         if all(s.done is not None for s in sample.request.samples):
@@ -563,6 +721,8 @@ class Engine:
                 blocks_cached=pool.cached, prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, preemptions=sched.preemptions,
                 prefix_hits=sched.prefix_hits, steps=self.steps,
+                draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
+                speculative_steps=self.speculative_steps,
             )  # fmt: skip
 
     def audit(self) -> None:
@@ -570,3 +730,5 @@ class Engine:
         with self._step_lock:
             seqs = [*self.scheduler.running, *self.scheduler.waiting]
             self.pool.audit(s.blocks for s in seqs)
+            if self.drafter is not None:
+                self.drafter.audit()

@@ -40,6 +40,13 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     logprobs: list[TokenEvent] | None
     error: str | None = None
+    drafted: int = 0  # draft tokens the target checked for this sample (speculative engine)
+    accepted: int = 0  # of those, kept
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept drafts / checked drafts; None when no draft was checked."""
+        return self.accepted / self.drafted if self.drafted else None
 
 
 _ids = itertools.count()
@@ -135,6 +142,11 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating; the request's KV blocks are freed at the next step at the latest."""
         self.engine._cancel(self)
+
+    def completions(self) -> list[Completion]:
+        """The samples finished so far, sample index order (without waiting)."""
+        with self._cond:
+            return [self._completions[i] for i in sorted(self._completions)]
 
     def result(self, timeout: float | None = None) -> list[Completion]:
         """The n completions, sample index order, once all are finished."""

@@ -173,6 +173,17 @@ class Scheduler:
             seq.blocks.append(self.pool.allocate())
         return True
 
+    def reserve(self, seq: Sequence, end: int) -> bool:
+        """Give seq the blocks for tokens [0, end) from free ones only; False if too few."""
+        return self._grow(seq, end, None)
+
+    def trim(self, seq: Sequence) -> None:
+        """Release seq's blocks beyond its tokens (those reserved for rejected drafts)."""
+        keep = -(-len(seq.tokens) // self.pool.block_size)
+        if len(seq.blocks) > keep:
+            self.pool.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the head of the waiting queue, to be recomputed."""
         self.running.remove(seq)

@@ -130,7 +130,7 @@ async def _respond(
     done = await _answer(service, request, gen)
     if done is None:
         return Response(status_code=CLIENT_GONE)
-    used = usage(sum(gen.prompt_lens), sum(len(c.token_ids) for c in done))
+    used = _usage(service, gen, done)
     return {**head, "choices": [choice(k, c) for k, c in enumerate(done)], "usage": used}
 
 
@@ -157,10 +157,17 @@ def _wants_usage(req: CompletionRequest | ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def _usage_chunk(head: dict[str, Any], gen: Generation, done: list[Any]) -> bytes:
+def _usage(service: Service, gen: Generation, done: list[Any]) -> dict[str, Any]:
+    """The request's usage; with a drafter, its draft tokens checked and accepted too."""
+    spec = None
+    if getattr(service.engine, "drafter", None) is not None:
+        spec = (sum(c.drafted for c in done), sum(c.accepted for c in done))
+    return usage(sum(gen.prompt_lens), sum(len(c.token_ids) for c in done), spec)
+
+
+def _usage_chunk(service: Service, head: dict[str, Any], gen: Generation, done: list[Any]) -> bytes:
     """The last chunk under stream_options.include_usage: no choices, the usage."""
-    used = usage(sum(gen.prompt_lens), sum(len(c.token_ids) for c in done))
-    return sse({**head, "choices": [], "usage": used})
+    return sse({**head, "choices": [], "usage": _usage(service, gen, done)})
 
 
 def held_tail(text: str, sent: str) -> str:
@@ -191,7 +198,7 @@ async def _stream_completion(
         choice = {"index": k, "text": tail, "logprobs": None, "finish_reason": finish_reason(c)}
         yield sse({**head, "choices": [choice], **extra})
     if _wants_usage(req):
-        yield _usage_chunk(head, gen, done)
+        yield _usage_chunk(service, head, gen, done)
 
 
 async def chat_completions(service: Service, request: Request) -> Any:
@@ -241,4 +248,4 @@ async def _stream_chat(
         tail = held_tail(c.text, sent.get(k, ""))
         yield chunk(k, {"content": tail} if tail else {}, None, finish_reason(c))
     if _wants_usage(req):
-        yield _usage_chunk(head, gen, done)
+        yield _usage_chunk(service, head, gen, done)

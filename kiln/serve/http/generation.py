@@ -88,3 +88,6 @@ class Generation:
         metrics.record(
             sum(self.prompt_lens), generated, ttft, decode, max(self.counts.values(), default=0)
         )
+        for handle in self.handles:
+            for completion in handle.completions():
+                metrics.observe_acceptance(completion.drafted, completion.accepted)

@@ -16,6 +16,7 @@ PREFIX = "kiln"
 # Bucket bounds in seconds: first tokens take prefill plus queueing, later ones one step each.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Histogram:
@@ -66,6 +67,12 @@ class ServerMetrics:
             "Seconds per generated token after the first, per request.",
             TPOT_BUCKETS,
         )
+        self.acceptance = Histogram(
+            f"{PREFIX}_speculative_acceptance_rate",
+            "Per sample: accepted / checked draft tokens (samples that had drafts checked).",
+            ACCEPTANCE_BUCKETS,
+        )
+        self.speculative = False  # the engine has a drafter: its series are shown
 
     def count_request(self, outcome: str) -> None:
         """Count one finished (or refused) request under `outcome`."""
@@ -93,6 +100,12 @@ class ServerMetrics:
             if decode_s is not None and longest > 1:
                 self.tpot.observe(max(decode_s, 0.0) / (longest - 1))
 
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        """Add one finished sample's draft acceptance (nothing when no draft was checked)."""
+        if drafted:
+            with self._lock:
+                self.acceptance.observe(accepted / drafted)
+
     def render(self, stats: Any) -> str:
         """The whole exposition text: engine gauges from `stats`, then the server's own series."""
         gauges = [
@@ -111,6 +124,17 @@ class ServerMetrics:
             value = getattr(stats, attr, None)
             if value is not None:
                 out += _series(f"{PREFIX}_{name}", "gauge", help_text, [("", value)])
+        if self.speculative:
+            for name, help_text, attr in (
+                ("speculative_draft_tokens_total", "Draft tokens the target checked.",
+                 "draft_tokens"),
+                ("speculative_accepted_tokens_total", "Draft tokens the target accepted.",
+                 "accepted_tokens"),
+                ("speculative_steps_total", "Engine steps that checked drafts.",
+                 "speculative_steps"),
+            ):  # fmt: skip
+                out += _series(f"{PREFIX}_{name}", "counter", help_text,
+                               [("", getattr(stats, attr, 0))])  # fmt: skip
         with self._lock:
             by_outcome = [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.requests.items())]
             out += _series(
@@ -126,6 +150,8 @@ class ServerMetrics:
                 "Tokens generated for finished requests.", [("", self.generated_tokens)],
             )  # fmt: skip
             out += self.ttft.lines() + self.tpot.lines()
+            if self.speculative:
+                out += self.acceptance.lines()
         return "\n".join(out) + "\n"
 
 

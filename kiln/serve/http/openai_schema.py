@@ -204,13 +204,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The usage object: prompt, completion and total tokens."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, speculative: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """The usage object: prompt, completion and total tokens (+ kiln's speculative extension).
+
+    `speculative` is (draft tokens checked, accepted) over the request's samples, given when the
+    engine has a drafter; it appears as usage.speculative (not an OpenAI field).
+    """
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if speculative is not None:
+        drafted, accepted = speculative
+        out["speculative"] = {
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+        }  # fmt: skip
+    return out
 
 
 def envelope(rid: str, kind: str, model: str, created: int | None = None) -> dict[str, Any]:

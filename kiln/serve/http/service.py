@@ -67,6 +67,7 @@ class Service:
         self.eot_id = getattr(engine, "eot_id", None)
         self.vocab_size = tokenizer.n_vocab if tokenizer is not None else None
         self.metrics = ServerMetrics()
+        self.metrics.speculative = getattr(engine, "drafter", None) is not None
         self.state = ServerState()
         self.created = int(time.time())
         self._pieces: dict[int, tuple[str, bytes]] = {}

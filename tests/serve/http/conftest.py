@@ -86,7 +86,9 @@ def serve_model(
     from kiln.serve.http.server import ServerOptions, create_app, make_server
 
     loaded = load_model(model_dir, device="cpu", dtype="fp32")
-    engine = Engine.from_loaded(loaded, EngineConfig(**(engine_options or {})))
+    engine_options = dict(engine_options or {})
+    drafter = engine_options.pop("drafter", None)
+    engine = Engine.from_loaded(loaded, EngineConfig(**engine_options), drafter)
     limits = options.pop("limits", ServerLimits())
     opts = ServerOptions(options.pop("model_name", "tiny"), limits, **options)
     app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, opts)
