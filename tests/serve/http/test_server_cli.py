@@ -82,8 +82,11 @@ def test_the_server_reads_no_path_a_client_names(base_server: RunningServer) -> 
         assert "error" in response.json()
 
 
-def _start(model: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    """`kiln serve MODEL --port 0 ARGS` as a subprocess; returns it and its base URL."""
+def _start(
+    model: Path, *args: str, seen: list[str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`kiln serve MODEL --port 0 ARGS` as a subprocess; returns it and its base URL (the
+    start-up lines it printed go to `seen`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("KILN_API_KEY", None)
     proc = subprocess.Popen(
@@ -94,6 +97,8 @@ def _start(model: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     deadline = time.monotonic() + START_S
     assert proc.stderr is not None
     for line in proc.stderr:
+        if seen is not None:
+            seen.append(line)
         found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
         if found:
             return proc, found.group(1)
@@ -194,3 +199,20 @@ def test_sigterm_on_an_idle_server_exits_0_at_once(base_model: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_quantize_int8_serves_the_quantized_model_and_says_which_kernel_ran(
+    base_model: Path,
+) -> None:
+    seen: list[str] = []
+    proc, url = _start(base_model, "--quantize", "int8", seen=seen)
+    try:
+        report = next(x for x in seen if x.startswith("kiln serve: quantize int8"))
+        assert re.search(r"linear layers \(\d+ by (torch\._weight_int8pack_mm|dequantize)", report)
+        body = {"model": "model", "prompt": "Once upon a time", "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
