@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from kiln.quant.quantize import QuantReport
@@ -37,13 +38,19 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
 
 
 def quantize_from_args(
-    model: nn.Module, args: argparse.Namespace, command: str
+    model: nn.Module, args: argparse.Namespace, command: str, dtype: torch.dtype | None = None
 ) -> QuantReport | None:
-    """Apply a command's --quantize options to its loaded model and print the report line."""
+    """Apply a command's --quantize options to its loaded model and print the report line
+    (`dtype`: the activations' dtype the model runs in, for the int8 kernel's timed probe)."""
     if getattr(args, "quantize", None) is None:
         return None
+    import torch
+
     from kiln.quant.quantize import quantize_model
 
-    report = quantize_model(model, args.quantize, args.quantize_group, args.quantize_head)
+    report = quantize_model(
+        model, args.quantize, args.quantize_group, args.quantize_head,
+        probe_dtype=dtype or torch.float32,
+    )  # fmt: skip
     print(f"{command}: {report.describe()}", file=sys.stderr)
     return report

@@ -21,6 +21,7 @@ grows by the quantized copy, and the report's byte counts show it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,9 @@ KERNELS = ("auto", "torch", "dequant")
 KERNEL_DTYPE = torch.bfloat16  # the activations torch's weight-only kernels are vectorised for
 INT4_INNER_K_TILES = 2  # torch's int4 packing parameter (2, 4 or 8); 2 allows any K % 32 == 0
 PROBE_TOLERANCE = 0.05  # kernel vs fallback, relative to the output's scale (bf16 activations)
+# The timed probe: rows of a decode step of a busy engine (32 sequences), best of a few calls.
+TIMED_PROBE_ROWS = 32
+TIMED_PROBE_REPEATS = 5
 
 
 class KernelMismatch(RuntimeError):
@@ -208,6 +212,31 @@ class QuantizedLinear(nn.Module):
             for name in ("codes", "scale", "zero"):
                 del self._buffers[name]
 
+    def use_fallback(self, note: str) -> None:
+        """Compute by dequantize-matmul from now on (int8: its codes and scales are kept)."""
+        if self.mode != "int8":
+            raise KilnError("only an int8 layer keeps the fallback's weights beside the kernel's")
+        self._buffers.pop("kernel_scale", None)
+        self.kernel, self.kernel_note = "dequant", note
+
+    def seconds_per_call(self, x: Tensor, kernel: str) -> float:
+        """The best of a few timed forwards of `x` on `kernel` ("torch" or "dequant"; or
+        "unquantized": a plain matmul with the weight in x's dtype, for reference)."""
+        kept, self.kernel = self.kernel, kernel
+        plain = self.dequantized_weight(x.dtype) if kernel == "unquantized" else None
+        try:
+            with torch.no_grad():
+                call = (lambda: F.linear(x, plain)) if plain is not None else (lambda: self(x))
+                call()  # warm-up: first calls pay for allocation and dispatch
+                best = float("inf")
+                for _ in range(TIMED_PROBE_REPEATS):
+                    start = time.perf_counter()
+                    call()
+                    best = min(best, time.perf_counter() - start)
+        finally:
+            self.kernel = kept
+        return best
+
     def _pack_int4_for_kernel(self) -> None:
         """torch's packed int4 weight and its (G, N, 2) scales-and-zeros for this device."""
         codes = unpack_nibbles(self.codes)  # (N, K) 0..15
@@ -234,6 +263,9 @@ class QuantReport:
     layers: int = 0
     paths: dict[str, int] = field(default_factory=dict)  # kernel path -> layers
     kernel_notes: list[str] = field(default_factory=list)  # why a layer fell back
+    # The timed probe (int8, kernel "auto"): seconds per call of each path (and of an unquantized
+    # matmul, for reference), summed over layers.
+    probe_s: dict[str, float] = field(default_factory=dict)
     bytes_before: int = 0
     bytes_after: int = 0
     head: str = "fp32"  # "fp32", "quantized", or "quantized copy (tied embedding kept fp32)"
@@ -243,9 +275,13 @@ class QuantReport:
         group = f" (group {self.group_size})" if self.group_size else " (per output channel)"
         paths = ", ".join(f"{n} by {_PATH_NAMES[self.mode][p]}" for p, n in self.paths.items())
         note = f"; fallback because: {self.kernel_notes[0]}" if self.kernel_notes else ""
+        probe = ""
+        if self.probe_s:
+            timings = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.probe_s.items())
+            probe = f"; timed probe ({TIMED_PROBE_ROWS} rows, all layers): {timings}"
         return (
             f"quantize {self.mode}{group}: {self.layers} linear layers ({paths}); head "
-            f"{self.head}; model {_mb(self.bytes_before)} -> {_mb(self.bytes_after)}{note}"
+            f"{self.head}; model {_mb(self.bytes_before)} -> {_mb(self.bytes_after)}{probe}{note}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,7 +289,7 @@ class QuantReport:
         return {
             "mode": self.mode, "group_size": self.group_size, "include_head": self.include_head,
             "layers": self.layers, "paths": dict(self.paths), "head": self.head,
-            "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+            "probe_s": dict(self.probe_s), "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
         }  # fmt: skip
 
 
@@ -276,10 +312,14 @@ def quantize_model(
     include_head: bool = False,
     *,
     kernel: str = "auto",
+    probe_dtype: torch.dtype = torch.float32,
 ) -> QuantReport:
     """Quantize the model's linear layers in place (the head only if include_head); the report.
 
     Every layer is checked before any is replaced, so a bad setting leaves the model untouched.
+    With int8 and kernel "auto", torch's kernel is kept only where a timed probe (activations
+    in `probe_dtype`, the dtype the model will run in) finds it faster than dequantize-matmul:
+    on some CPUs the bf16-activation kernel is slower than plain fp32 matmuls.
     """
     _check_mode(mode, group_size, kernel)
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
@@ -296,17 +336,51 @@ def quantize_model(
     report = QuantReport(mode, group_size if mode == "int4" else None, include_head)
     report.bytes_before = model_bytes(model)
     tied = head is not None and head.weight is getattr(getattr(model, "wte", None), "weight", None)
+    layers = []
     for name, linear in targets:
         layer = QuantizedLinear(linear, mode, group_size, kernel)
         _set_submodule(model, name, layer)
+        layers.append((name, layer))
+    if mode == "int8" and kernel == "auto":
+        report.probe_s = _choose_int8_path([layer for _, layer in layers], probe_dtype)
+    notes: set[str] = set()
+    for name, layer in layers:
         report.layers += 1
         report.paths[layer.kernel] = report.paths.get(layer.kernel, 0) + 1
-        if layer.kernel_note and layer.kernel_note not in report.kernel_notes:
+        if layer.kernel_note and layer.kernel_note not in notes:
+            notes.add(layer.kernel_note)
             report.kernel_notes.append(f"{name}: {layer.kernel_note}")
     if include_head and head is not None:
         report.head = "quantized copy (tied embedding kept fp32)" if tied else "quantized"
     report.bytes_after = model_bytes(model)
     return report
+
+
+def _choose_int8_path(layers: list[QuantizedLinear], dtype: torch.dtype) -> dict[str, float]:
+    """Time both int8 paths on every layer whose kernel runs; switch all to the faster one.
+
+    One verdict for the whole model: per-layer choices would follow timing noise on layers of
+    the same shape. Returns seconds per call of each path, summed over the timed layers, with
+    an unquantized matmul's beside them, so a user sees when int8 costs speed here.
+    """
+    timed = [layer for layer in layers if layer.kernel == "torch"]
+    if not timed:
+        return {}
+    totals = {"torch": 0.0, "dequant": 0.0, "unquantized": 0.0}
+    seed = torch.Generator().manual_seed(0)
+    for layer in timed:
+        x = torch.randn(TIMED_PROBE_ROWS, layer.in_features, generator=seed)
+        x = x.to(device=layer.device, dtype=dtype)
+        for path in totals:  # alternated per layer, so load from elsewhere hits both alike
+            totals[path] += layer.seconds_per_call(x, path)
+    if totals["dequant"] < totals["torch"]:
+        note = (
+            f"timed probe: dequantize-matmul {totals['dequant'] * 1e3:.2f} ms < torch's kernel "
+            f"{totals['torch'] * 1e3:.2f} ms per {TIMED_PROBE_ROWS}-row pass"
+        )
+        for layer in timed:
+            layer.use_fallback(note)
+    return totals
 
 
 def model_bytes(model: nn.Module) -> int:

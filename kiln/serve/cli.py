@@ -170,7 +170,7 @@ def run_sample(args: argparse.Namespace) -> int:
     )
     print(f"kiln sample: {loaded.source}", file=sys.stderr)
     print("\n".join(loaded.precision.lines("kiln sample")), file=sys.stderr)
-    quantize.quantize_from_args(loaded.model, args, "kiln sample")
+    quantize.quantize_from_args(loaded.model, args, "kiln sample", loaded.precision.dtype)
     tok = loaded.tokenizer
     if prompt_ids is None:
         from kiln.tokenizer.user_text import encode_user_text
@@ -318,6 +318,7 @@ cancels the rest and exits 0."""
 SERVE_EXAMPLES = """examples:
   kiln serve runs/demo-20260101-120000
   kiln serve runs/demo-20260101-120000 --port 8080 --max-concurrent 16
+  kiln serve runs/demo-20260101-120000 --quantize int8
   KILN_API_KEY=s3cret kiln serve exports/demo --host 0.0.0.0
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
     -d '{"model": "demo-20260101-120000", "prompt": "Once upon a time", "max_tokens": 40}'"""
@@ -369,6 +370,7 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--max-num-seqs", type=int, default=None,
                         help="sequences the engine batches at once (default: the engine's)")  # fmt: skip
     add_draft_options(p, serve=True)
+    quantize.add_quantize_options(p)
     p.set_defaults(handler=run_serve)
 
 
@@ -413,6 +415,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
+    print("\n".join(loaded.precision.lines("kiln serve")), file=sys.stderr)
+    quantize.quantize_from_args(loaded.model, args, "kiln serve", loaded.precision.dtype)
     engine_options: dict[str, Any] = {"max_waiting": limits.max_waiting}
     if args.max_num_seqs is not None:
         engine_options["max_num_seqs"] = args.max_num_seqs

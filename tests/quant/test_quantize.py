@@ -162,6 +162,39 @@ def test_quantized_model_logits_stay_close_to_fp32(
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.8
 
 
+@pytest.mark.parametrize("faster", ["torch", "dequant"])
+def test_int8_auto_runs_the_path_its_timed_probe_found_faster(
+    monkeypatch: pytest.MonkeyPatch, faster: str
+) -> None:
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    fallback = tiny_model()
+    quantize_model(fallback, "int8", include_head=True, kernel="dequant")
+    slower = {"torch": "dequant", "dequant": "torch"}[faster]
+    seconds = {faster: 1e-3, slower: 2e-3, "unquantized": 5e-4}
+    monkeypatch.setattr(QuantizedLinear, "seconds_per_call", lambda self, x, path: seconds[path])
+    model = tiny_model()
+    report = quantize_model(model, "int8", include_head=True)
+    if not report.probe_s:
+        pytest.skip(f"torch's int8 kernel does not run here: {report.kernel_notes}")
+    assert report.paths == {faster: report.layers}
+    assert report.probe_s == {p: s * report.layers for p, s in seconds.items()}
+    assert ("timed probe" in report.describe()) and report.to_dict()["probe_s"] == report.probe_s
+    with torch.no_grad():
+        same = torch.equal(model(x), fallback(x))
+    assert same == (faster == "dequant")  # the fallback path is exactly dequantize + matmul
+
+
+def test_the_timed_probe_measures_both_int8_paths_on_this_machine() -> None:
+    model = tiny_model()
+    report = quantize_model(model, "int8")
+    if not report.probe_s:
+        pytest.skip(f"torch's int8 kernel does not run here: {report.kernel_notes}")
+    assert set(report.probe_s) == {"torch", "dequant", "unquantized"}
+    assert min(report.probe_s.values()) > 0
+    paths = {p: report.probe_s[p] for p in ("torch", "dequant")}
+    assert report.paths == {min(paths, key=paths.__getitem__): report.layers}
+
+
 def test_int8_error_is_smaller_than_int4_error() -> None:
     x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     model = tiny_model()

@@ -27,7 +27,7 @@ from kiln.serve.http.openai_schema import (
     sse,
     usage,
 )
-from kiln.serve.http.service import Service
+from kiln.serve.http.service import CLIENT_GONE, Service
 
 
 def finish_reason(completion: Any) -> str:
@@ -115,9 +115,6 @@ async def _parse(service: Service, request: Request, cls: type[RequestT]) -> tup
     req = parse_request(cls, await service.read_body(request))
     service.check_model(req.model)
     return req, arrived
-
-
-CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the access log does
 
 
 async def _respond(

@@ -111,19 +111,21 @@ class ServerMetrics:
         gauges = [
             ("requests_running", "Requests the engine is generating for.", "running"),
             ("requests_waiting", "Requests queued for the engine.", "waiting"),
-            (
-                "kv_blocks_used",
-                "KV-cache blocks in use (the prefix cache's included).",
-                "blocks_used",
-            ),
-            ("kv_blocks_free", "KV-cache blocks free.", "blocks_free"),
-            ("kv_blocks_total", "KV-cache blocks in the pool.", "blocks_total"),
-        ]
+            ("kv_blocks_used", "KV-cache blocks held by running sequences.", "blocks_held"),
+            ("kv_blocks_cached", "KV-cache blocks the prefix cache keeps that no sequence holds "
+             "(reusable: handed out when no block is free).", "blocks_cached"),
+            ("kv_blocks_free", "KV-cache blocks holding nothing.", "blocks_free"),
+            ("kv_blocks_total", "KV-cache blocks in the pool (used + cached + free).",
+             "blocks_total"),
+        ]  # fmt: skip
+        values = {name: getattr(stats, name, None) for _, _, name in gauges}
+        if values["blocks_held"] is None and getattr(stats, "blocks_used", None) is not None:
+            # The engine's blocks_used counts the prefix cache's idle blocks as used.
+            values["blocks_held"] = stats.blocks_used - (values["blocks_cached"] or 0)
         out: list[str] = []
         for name, help_text, attr in gauges:
-            value = getattr(stats, attr, None)
-            if value is not None:
-                out += _series(f"{PREFIX}_{name}", "gauge", help_text, [("", value)])
+            if values[attr] is not None:
+                out += _series(f"{PREFIX}_{name}", "gauge", help_text, [("", values[attr])])
         if self.speculative:
             for name, help_text, attr in (
                 ("speculative_draft_tokens_total", "Draft tokens the target checked.",

@@ -9,6 +9,7 @@ silently ignored; fields that change nothing here (user, service_tier ...) are a
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,6 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bodies nest a handful of levels; a deep one would exhaust the JSON decoder's stack.
+MAX_JSON_DEPTH = 64
+# pydantic names a union's arm in an error's location ("str", "list[int]", "function-after[…]");
+# they are types, not fields.
+UNION_ARMS = frozenset({"str", "int", "float", "bool", "none", "bytes", "dict", "list"})
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKETS = re.compile(rb"[\[\]{}]")
 RequestT = TypeVar("RequestT", bound="_Request")
 
 
@@ -167,8 +175,25 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when the JSON text nests arrays/objects deeper than `limit` (strings don't count)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # too few brackets to nest that deep: the common case costs two counts
+    depth = 0
+    for match in _JSON_BRACKETS.finditer(_JSON_STRING.sub(b'""', raw)):
+        depth += 1 if match.group() in (b"[", b"{") else -1
+        if depth > limit:
+            return True
+    return False
+
+
 def parse_request(cls: type[RequestT], raw: bytes) -> RequestT:
     """The request body as `cls`; invalid JSON or fields become a 400 naming the field."""
+    if json_depth_exceeds(raw):
+        raise ApiError(
+            400, f"the request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
+            "body", "body_too_deep",
+        )  # fmt: skip
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -191,7 +216,7 @@ def field_path(loc: Sequence[int | str]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part[:1].islower() and not part.startswith(("list[", "str", "int", "function-")):
+        elif part[:1].islower() and part not in UNION_ARMS and "[" not in part:
             out += f".{part}" if out else part
     return out or "body"
 

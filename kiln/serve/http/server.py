@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.serve.http.endpoints import chat_completions, completions
 from kiln.serve.http.openai_schema import ApiError
-from kiln.serve.http.service import ServerOptions, Service
+from kiln.serve.http.service import ClientGone, ServerOptions, Service
 
 __all__ = ["ServerOptions", "create_app", "make_server", "run_server"]
 
@@ -73,7 +75,10 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
         )  # fmt: skip
 
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        if isinstance(exc, ClientGone):
+            service.metrics.count_request("disconnected")
+            return Response(status_code=exc.status)
         if exc.status >= 400 and exc.status != 401:
             service.metrics.count_request(f"http_{exc.status}")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -153,14 +158,19 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
 class _GracefulServer:
     """uvicorn's Server that drains on SIGTERM/SIGINT and exits normally (status 0) after.
 
-    uvicorn re-raises the signal it caught once it has shut down, which would end the process
-    with status 143; a service manager reads a clean stop as 0.
+    The first signal does not close the listener: `on_stop(close)` is called, and the server
+    keeps answering (/health 503 "stopping", new work 503) until `close()` hands the exit to
+    uvicorn. A second signal stops at once. uvicorn re-raises the signal it caught once it has
+    shut down, which would end the process with status 143; a service manager reads a clean
+    stop as 0.
     """
 
-    def __init__(self, config: Any, on_stop: Callable[[], None]) -> None:
+    def __init__(self, config: Any, on_stop: Callable[[Callable[[], None]], None]) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
+            stopping = False
+
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:
                 if threading.current_thread() is not threading.main_thread():
@@ -175,32 +185,57 @@ class _GracefulServer:
                         signal.signal(s, handler)
 
             def handle_exit(self, sig: int, frame: Any) -> None:
-                on_stop()
-                super().handle_exit(sig, frame)
+                if self.stopping:  # a second signal: no more waiting
+                    super().handle_exit(sig, frame)
+                    return
+                self.stopping = True
+                on_stop(functools.partial(super().handle_exit, sig, frame))
 
         self.server = Server(config)
 
 
+DRAIN_POLL_S = 0.05  # how often the drain looks whether requests are still running
+
+
 def make_server(app: FastAPI, host: str, port: int, grace_s: float, log_level: str = "info") -> Any:
-    """A uvicorn server for `app` that drains on SIGTERM: running requests get `grace_s` seconds
-    to finish, then are cancelled (their streams end with finish_reason "cancelled")."""
+    """A uvicorn server for `app` that drains on SIGTERM: it keeps listening (answering /health
+    with 503 "stopping" and new work with 503) while running requests get up to `grace_s`
+    seconds to finish; then those left are cancelled (their streams end with finish_reason
+    "cancelled") and the server closes."""
     import uvicorn
 
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on", server_header=False,
-        timeout_graceful_shutdown=grace_s + SHUTDOWN_BACKSTOP_S,
+        timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_S,
     )  # fmt: skip
     service: Service = app.state.service
 
-    def on_stop() -> None:
-        if not service.state.draining:
-            service.state.draining = True
-            try:  # the signal arrives on the event loop's thread: cancel there, after the grace
-                asyncio.get_running_loop().call_later(grace_s, service.cancel_all)
-            except RuntimeError:  # no loop running here: a timer thread will do
-                timer = threading.Timer(grace_s, service.cancel_all)
-                timer.daemon = True
-                timer.start()
+    def on_stop(close: Callable[[], None]) -> None:
+        service.state.draining = True
+        deadline = time.monotonic() + grace_s
+
+        def drained() -> bool:
+            return service.state.inflight == 0 or time.monotonic() >= deadline
+
+        def finish() -> None:
+            service.cancel_all()
+            close()
+
+        async def drain() -> None:
+            while not drained():
+                await asyncio.sleep(DRAIN_POLL_S)
+            finish()
+
+        def drain_in_thread() -> None:
+            while not drained():
+                time.sleep(DRAIN_POLL_S)
+            finish()
+
+        try:  # the signal arrives on the event loop's thread: drain there
+            loop = asyncio.get_running_loop()
+            service.state.drain_task = loop.create_task(drain())
+        except RuntimeError:  # no loop running here: a thread will do
+            threading.Thread(target=drain_in_thread, daemon=True).start()
 
     return _GracefulServer(config, on_stop).server
 

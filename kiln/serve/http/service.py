@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from kiln.chat.api_messages import ChatMessageError, ServerChat
 from kiln.errors import KilnError
@@ -19,9 +20,17 @@ from kiln.serve.http.generation import Generation
 from kiln.serve.http.limits import ServerLimits, key_matches
 from kiln.serve.http.metrics import ServerMetrics
 from kiln.serve.http.openai_schema import ApiError, ChatRequest, CompletionRequest, chat_logprob
-from kiln.tokenizer.user_text import encode_user_text
+from kiln.tokenizer.user_text import check_user_text, encode_user_text
 
 PROMPT_OPT_IN = "send the prompt as token ids"
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the access log does
+
+
+class ClientGone(ApiError):
+    """The client went away before its request was read whole: counted, not logged."""
+
+    def __init__(self) -> None:
+        super().__init__(CLIENT_GONE, "the client disconnected while sending its request")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class ServerState:
     draining: bool = False
     inflight: int = 0
     active: set[Generation] = field(default_factory=set)  # requests now generating
+    drain_task: Any = None  # the shutdown drain (kept referenced so it is not collected)
 
 
 def _engine_types() -> tuple[Any, Any]:
@@ -93,11 +103,14 @@ class Service:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
         return b"".join(chunks)
 
     def check_model(self, name: str) -> None:
@@ -174,6 +187,11 @@ class Service:
                 "tokenizer lacks the chat tokens <|system|> <|user|> <|assistant|> <|end|>); use "
                 "/v1/completions, or serve a chat-tuned model", "messages", "no_chat_template",
             )  # fmt: skip
+        for i, m in enumerate(req.messages):
+            # The template does not render names; control-token text there is refused all the
+            # same, as in content, so a client never learns that only some fields are checked.
+            if m.name is not None:
+                self._refuse_special(m.name, f"messages[{i}].name")
         try:
             return self.chat.render([(m.role, m.text()) for m in req.messages])
         except ChatMessageError as exc:
@@ -205,16 +223,30 @@ class Service:
         if asked is not None and asked > room:
             raise self._too_long(longest, asked, where)
         max_tokens = asked if asked is not None else min(default, room)
+        stops = req.stop_strings()
+        for i, stop in enumerate(stops):
+            # A control token ends a sample by its id, never as text: such a stop would not match.
+            self._refuse_special(stop, "stop" if isinstance(req.stop, str) else f"stop[{i}]")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, stop=req.stop_strings(), seed=req.seed,
+                frequency_penalty=req.frequency_penalty, stop=stops, seed=req.seed,
                 n=req.n, logprobs=logprobs, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
             )  # fmt: skip
         except KilnError as exc:
             raise ApiError(400, str(exc), _param_of(str(exc))) from None
+
+    def _refuse_special(self, text: str, where: str) -> None:
+        """400 naming `where` when `text` spells one of the tokenizer's special tokens."""
+        if self.tokenizer is None:
+            return
+        try:
+            check_user_text(self.tokenizer, text, where, None)
+        except KilnError as exc:
+            param = where.split("[")[0] if where.startswith("stop") else where
+            raise ApiError(400, str(exc), param, "special_token_in_prompt") from None
 
     def _too_long(self, prompt_len: int, new: int, where: str) -> ApiError:
         limit = min(self.max_prompt, self.context_length - 1)

@@ -82,8 +82,11 @@ def test_the_server_reads_no_path_a_client_names(base_server: RunningServer) -> 
         assert "error" in response.json()
 
 
-def _start(model: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    """`kiln serve MODEL --port 0 ARGS` as a subprocess; returns it and its base URL."""
+def _start(
+    model: Path, *args: str, seen: list[str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`kiln serve MODEL --port 0 ARGS` as a subprocess; returns it and its base URL (the
+    start-up lines it printed go to `seen`)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("KILN_API_KEY", None)
     proc = subprocess.Popen(
@@ -94,6 +97,8 @@ def _start(model: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     deadline = time.monotonic() + START_S
     assert proc.stderr is not None
     for line in proc.stderr:
+        if seen is not None:
+            seen.append(line)
         found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
         if found:
             return proc, found.group(1)
@@ -140,6 +145,48 @@ def test_sigterm_lets_running_streams_finish_within_the_grace_then_cancels_and_e
             proc.wait()
 
 
+def test_during_the_grace_health_says_stopping_and_new_work_gets_a_503(base_model: Path) -> None:
+    proc, url = _start(base_model, "--grace", "60")
+    try:
+        # Eight long samples keep the server in its grace period for the checks below.
+        body = {"model": "model", "prompt": "Once upon a time", "max_tokens": 480, "n": 8,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read() -> None:
+            with (
+                httpx.Client(timeout=120) as http,
+                http.stream("POST", url + "/v1/completions", json=body) as response,
+            ):
+                for line in response.iter_lines():
+                    lines.append(line)
+                    first.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert first.wait(30), "no first chunk"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        health = httpx.get(url + "/health", timeout=10)
+        while health.json()["status"] != "stopping" and time.monotonic() < deadline:
+            time.sleep(0.02)
+            health = httpx.get(url + "/health", timeout=10)
+        assert (health.status_code, health.json()["status"]) == (503, "stopping")
+        refused = httpx.post(url + "/v1/completions", json={"model": "model", "prompt": "hi"},
+                             timeout=10)  # fmt: skip
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+        assert proc.wait(timeout=120) == 0  # the running request ends, then the server does
+        reader.join(10)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert reasons == ["length"] * 8
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_sigterm_on_an_idle_server_exits_0_at_once(base_model: Path) -> None:
     proc, url = _start(base_model)
     try:
@@ -152,3 +199,20 @@ def test_sigterm_on_an_idle_server_exits_0_at_once(base_model: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_quantize_int8_serves_the_quantized_model_and_says_which_kernel_ran(
+    base_model: Path,
+) -> None:
+    seen: list[str] = []
+    proc, url = _start(base_model, "--quantize", "int8", seen=seen)
+    try:
+        report = next(x for x in seen if x.startswith("kiln serve: quantize int8"))
+        assert re.search(r"linear layers \(\d+ by (torch\._weight_int8pack_mm|dequantize)", report)
+        body = {"model": "model", "prompt": "Once upon a time", "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
