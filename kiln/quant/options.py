@@ -6,15 +6,13 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from kiln.quant.modes import DEFAULT_GROUP_SIZE, GROUP_SIZES, MODES
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from kiln.quant.quantize import QuantReport
-
-MODES = ("int8", "int4")
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
 
 
 def add_quantize_options(parser: argparse.ArgumentParser) -> None:

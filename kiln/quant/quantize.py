@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.errors import KilnError
-from kiln.quant.options import DEFAULT_GROUP_SIZE, GROUP_SIZES, MODES
+from kiln.quant.modes import DEFAULT_GROUP_SIZE, GROUP_SIZES, MODES
 
 KERNELS = ("auto", "torch", "dequant")
 KERNEL_DTYPE = torch.bfloat16  # the activations torch's weight-only kernels are vectorised for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.errors import KilnError
 from kiln.tokenizer.cuts import CutFinder
@@ -18,6 +18,9 @@ from kiln.tokenizer.pretokenize import (
     to_utf8,
 )
 from kiln.tokenizer.special import EOT
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.formats.common import TokenizerParts
 
 Backend = Literal["auto", "native", "reference"]
 AllowedSpecial = Literal["all"] | Collection[str]
@@ -122,6 +125,24 @@ class Tokenizer:
         name = self.pattern.name if self.pattern.is_builtin else ""
         return NATIVE.Encoder(self._byte_ids, merges, decoder, valid, name)
 
+    # The file formats' modules never import this class (readers return TokenizerParts), so
+    # these import them, not the other way round. They import inside the methods because the
+    # formats package's __init__ (read_any and friends) builds on this module and Python runs
+    # that __init__ before any of its modules.
+    @classmethod
+    def from_parts(cls, parts: TokenizerParts) -> Tokenizer:
+        """Build from what a format reader returns; an inconsistency names the file it came from."""
+        try:
+            return cls(
+                parts.vocab,
+                parts.merges,
+                parts.special_tokens,
+                parts.pattern,
+                metadata=parts.metadata,
+            )
+        except KilnError as exc:
+            raise KilnError(f"{parts.source}: {exc}") from None
+
     @classmethod
     def from_gpt2(
         cls,
@@ -130,20 +151,20 @@ class Tokenizer:
         special_tokens: Sequence[str] = (EOT,),
     ) -> Tokenizer:
         """Load GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
-        from kiln.tokenizer.formats import read_gpt2
+        from kiln.tokenizer.formats.gpt2 import parse_gpt2
 
-        return read_gpt2(vocab_json_path, merges_txt_path, special_tokens)
+        return cls.from_parts(parse_gpt2(vocab_json_path, merges_txt_path, special_tokens))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a kiln `tokenizer.json`, validating it."""
-        from kiln.tokenizer.formats import read_kiln
+        from kiln.tokenizer.formats.kiln_json import parse_kiln
 
-        return read_kiln(path)
+        return cls.from_parts(parse_kiln(path))
 
     def save(self, path: str | os.PathLike[str], *, force: bool = True) -> None:
         """Write this tokenizer as a kiln `tokenizer.json` (atomically)."""
-        from kiln.tokenizer.formats import write_kiln
+        from kiln.tokenizer.formats.kiln_json import write_kiln
 
         write_kiln(self, path, force=force)
 

@@ -22,6 +22,7 @@ from kiln.tokenizer.byte_unicode import (
     token_string_to_bytes,
 )
 from kiln.tokenizer.formats import (
+    TokenizerParts,
     convert,
     detect_format,
     hf_document,
@@ -190,6 +191,22 @@ def test_kiln_round_trip_custom_pattern_sparse_ids_metadata(gpt2, tmp_path) -> N
     assert loaded.pattern.name == "custom"
     text = "Hello there, 42 worlds<|pad|>"
     assert loaded.encode(text, allowed_special="all") == tok.encode(text, allowed_special="all")
+
+
+def test_tokenizer_from_parts_names_the_file_when_the_parts_disagree() -> None:
+    # The format readers' own checks catch this first; the Tokenizer's checks are the last
+    # line, and their message still has to say which file was wrong.
+    vocab = {i: bytes([i]) for i in range(256)}
+    parts = TokenizerParts("models/tok.json", vocab, [(b"a", b"b")], {}, "gpt2", {})
+    with pytest.raises(KilnError, match=r"^models/tok\.json: merge 0 .*must all be in the vocab"):
+        Tokenizer.from_parts(parts)
+    good = TokenizerParts("models/tok.json", vocab, [], {EOT: 256}, "gpt2", {"k": 1})
+    tok = Tokenizer.from_parts(good)
+    assert (tok.special_tokens, tok.metadata, tok.encode_ordinary("ab")) == (
+        {EOT: 256},
+        {"k": 1},
+        [97, 98],
+    )
 
 
 def test_write_kiln_refuses_to_replace_without_force(gpt2, tmp_path) -> None:

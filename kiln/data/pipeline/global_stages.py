@@ -29,7 +29,7 @@ import numpy as np
 from kiln.data.pipeline.config import PipelineConfig
 from kiln.data.pipeline.dedup import partitioned
 from kiln.data.pipeline.records import load_arrays, read_records, save_arrays, write_records
-from kiln.data.pipeline.tasks import DECONTAM_CODES, EXACT_ROWS, EXCERPT_CHARS, NEAR_ROWS
+from kiln.data.pipeline.task_outputs import DECONTAM_CODES, EXACT_ROWS, EXCERPT_CHARS, NEAR_ROWS
 from kiln.io import write_json_atomic
 
 GLOBAL_STATS = "stats.json"

@@ -26,16 +26,12 @@ from kiln.data.pipeline.records import (
     unit_interval,
     write_records,
 )
+from kiln.data.pipeline.task_outputs import DECONTAM_CODES, EXACT_ROWS, EXCERPT_CHARS, NEAR_ROWS
 from kiln.io import write_json_atomic
 
 STATS = "stats.json"
-EXACT_ROWS = "exact_rows"  # the task's exact keys and near-dedup band keys, hash-sliced
-NEAR_ROWS = "near_rows"
-EXCERPT_CHARS = 600
 CHAR_BINS = np.arange(0.0, 7.01, 0.25)  # log10 of document length in characters
 SCORE_BINS = np.linspace(0.0, 1.0, 21)
-# Why a document that reached decontamination is dropped there (0: kept).
-DECONTAM_CODES = ("", "decontaminate.too_many_pieces", "decontaminate.empty")
 # What a per-document stage did when it rewrote a document's text, and the meta keys that say
 # how (the document's history in the shard's document map records both).
 CHANGES = {

@@ -3,32 +3,36 @@
 Every reader validates what it loads and raises KilnError naming the file, the field or entry and
 what was expected, so a corrupt or foreign file never gets as far as a wrong encoding.
 `convert` and `read_any` guess a file's format from its content and name.
+
+The format modules read files into `TokenizerParts` and write any Tokenizer, without importing
+the Tokenizer class; the `read_*` functions here build one from those parts (so does
+`Tokenizer.load`), which keeps the dependency one way: this package builds on the tokenizer.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
 from kiln.io import check_can_write
-from kiln.tokenizer.formats.common import PathLike, load_json, read_text
-from kiln.tokenizer.formats.gpt2 import read_gpt2
-from kiln.tokenizer.formats.hf import hf_document, read_hf, tokenizer_from_hf_doc, write_hf
+from kiln.tokenizer.formats.common import PathLike, TokenizerParts, load_json, read_text
+from kiln.tokenizer.formats.gpt2 import parse_gpt2
+from kiln.tokenizer.formats.hf import hf_document, hf_parts_from_doc, parse_hf, write_hf
 from kiln.tokenizer.formats.kiln_json import (
     KILN_FORMAT,
     KILN_VERSION,
     kiln_document,
-    read_kiln,
-    tokenizer_from_kiln_doc,
+    kiln_parts_from_doc,
+    parse_kiln,
     write_kiln,
 )
 from kiln.tokenizer.formats.tiktoken_ranks import (
     TIKTOKEN_LINE,
     merges_from_ranks,
-    read_tiktoken,
+    parse_tiktoken,
     write_tiktoken,
 )
 from kiln.tokenizer.special import EOT
@@ -40,6 +44,7 @@ __all__ = [
     "FORMATS",
     "KILN_FORMAT",
     "KILN_VERSION",
+    "TokenizerParts",
     "convert",
     "detect_format",
     "hf_document",
@@ -55,6 +60,30 @@ __all__ = [
     "write_kiln",
     "write_tiktoken",
 ]
+
+
+def read_kiln(path: PathLike) -> Tokenizer:
+    """Load and validate kiln's `tokenizer.json`."""
+    return Tokenizer.from_parts(parse_kiln(path))
+
+
+def read_gpt2(
+    vocab_json: PathLike, merges_txt: PathLike, special_tokens: Sequence[str] = (EOT,)
+) -> Tokenizer:
+    """Load GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
+    return Tokenizer.from_parts(parse_gpt2(vocab_json, merges_txt, special_tokens))
+
+
+def read_hf(path: PathLike) -> Tokenizer:
+    """Import an HF `tokenizers` tokenizer.json holding a byte-level BPE model."""
+    return Tokenizer.from_parts(parse_hf(path))
+
+
+def read_tiktoken(
+    path: PathLike, pattern: str = "gpt2", special_tokens: Mapping[str, int] | None = None
+) -> Tokenizer:
+    """Import a tiktoken rank file; the pattern and special tokens are not in it, so pass them."""
+    return Tokenizer.from_parts(parse_tiktoken(path, pattern, special_tokens))
 
 
 def _sniff(path: PathLike) -> tuple[str, Any]:
@@ -97,9 +126,9 @@ def read_any(
         fmt, doc = _sniff(path)
         # Reuse the parsed JSON: tokenizer files run to megabytes.
         if fmt == "kiln":
-            return tokenizer_from_kiln_doc(path, doc)
+            return Tokenizer.from_parts(kiln_parts_from_doc(path, doc))
         if fmt == "hf":
-            return tokenizer_from_hf_doc(path, doc)
+            return Tokenizer.from_parts(hf_parts_from_doc(path, doc))
     if fmt == "kiln":
         return read_kiln(path)
     if fmt == "hf":

@@ -1,18 +1,38 @@
-"""Checks shared by every tokenizer-file reader: each failure names the file, field and expectation."""
+"""What every tokenizer-file reader shares: the parts it returns, and checks naming file and field.
+
+Readers return `TokenizerParts` and writers take a Tokenizer, so nothing here or in the format
+modules builds a Tokenizer: `Tokenizer.from_parts` (and the `read_*` functions in this package's
+`__init__`) do, so these modules depend on nothing above them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError, json_error_reason, not_found
 from kiln.tokenizer.patterns import SplitPattern
-from kiln.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.tokenizer import Tokenizer
 
 PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class TokenizerParts:
+    """A tokenizer file's content, checked against the file's rules: what a Tokenizer is built from."""
+
+    source: str  # the file it came from, named in any error the Tokenizer's own checks raise
+    vocab: dict[int, bytes]
+    merges: list[tuple[bytes, bytes]]
+    special_tokens: dict[str, int]
+    pattern: str | SplitPattern
+    metadata: dict[str, Any]
 
 
 class _DuplicateKey(Exception):
@@ -141,20 +161,17 @@ def check_id_range(path: PathLike, vocab: Mapping[int, bytes], specials: Mapping
         )
 
 
-def build_tokenizer(
+def checked_parts(
     path: PathLike,
     vocab: dict[int, bytes],
     merges: list[tuple[bytes, bytes]],
     specials: dict[str, int],
     pattern: str | SplitPattern,
     metadata: Mapping[str, Any] | None = None,
-) -> Tokenizer:
-    """The Tokenizer, with any error its constructor finds prefixed by the file it came from."""
+) -> TokenizerParts:
+    """The parts read from `path`, once their ids are known to lie in a sane range."""
     check_id_range(path, vocab, specials)
-    try:
-        return Tokenizer(vocab, merges, specials, pattern, metadata=metadata)
-    except KilnError as exc:
-        raise KilnError(f"{os.fspath(path)}: {exc}") from None
+    return TokenizerParts(os.fspath(path), vocab, merges, specials, pattern, dict(metadata or {}))
 
 
 def regular_ids(tok: Tokenizer) -> dict[bytes, int]:

@@ -10,16 +10,16 @@ from kiln.errors import KilnError
 from kiln.tokenizer.byte_unicode import token_string_to_bytes
 from kiln.tokenizer.formats.common import (
     PathLike,
-    build_tokenizer,
+    TokenizerParts,
     check_merges,
     check_vocab,
+    checked_parts,
     expect,
     expect_id,
     load_json,
     read_text,
 )
 from kiln.tokenizer.special import EOT
-from kiln.tokenizer.tokenizer import Tokenizer
 
 
 def token_strings_to_vocab(
@@ -77,10 +77,10 @@ def _read_gpt2_merges(path: PathLike) -> list[tuple[str, bytes, bytes]]:
     return out
 
 
-def read_gpt2(
+def parse_gpt2(
     vocab_json: PathLike, merges_txt: PathLike, special_tokens: Sequence[str] = (EOT,)
-) -> Tokenizer:
-    """Load GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
+) -> TokenizerParts:
+    """Read and check GPT-2's `vocab.json` (encoder.json) and `merges.txt` (vocab.bpe)."""
     vocab, specials = token_strings_to_vocab(
         vocab_json, "vocab", load_json(vocab_json), special_tokens
     )
@@ -89,4 +89,4 @@ def read_gpt2(
     located = _read_gpt2_merges(merges_txt)
     check_merges(merges_txt, located, vocab.values())
     merges = [(a, b) for _, a, b in located]
-    return build_tokenizer(vocab_json, vocab, merges, specials, "gpt2")
+    return checked_parts(vocab_json, vocab, merges, specials, "gpt2")

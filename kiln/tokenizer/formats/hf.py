@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError
 from kiln.io import atomic_write, check_can_write
 from kiln.tokenizer.byte_unicode import bytes_to_token_string, token_string_to_bytes
 from kiln.tokenizer.formats.common import (
     PathLike,
-    build_tokenizer,
+    TokenizerParts,
     check_merges,
     check_specials,
     check_vocab,
+    checked_parts,
     expect,
     expect_id,
     load_json,
@@ -22,7 +23,9 @@ from kiln.tokenizer.formats.common import (
 )
 from kiln.tokenizer.formats.gpt2 import token_strings_to_vocab
 from kiln.tokenizer.patterns import SplitPattern, resolve_pattern
-from kiln.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.tokenizer import Tokenizer
 
 _HF_EXPECTED = (
     "expected a byte-level pre-tokenizer: ByteLevel(use_regex=true), or a Sequence of "
@@ -180,8 +183,8 @@ def _hf_merges(path: PathLike, merges: Any) -> list[tuple[str, bytes, bytes]]:
     return out
 
 
-def tokenizer_from_hf_doc(path: PathLike, doc: Any) -> Tokenizer:
-    """Validate an already parsed HF tokenizer.json (read from `path`) and build it."""
+def hf_parts_from_doc(path: PathLike, doc: Any) -> TokenizerParts:
+    """Validate an already parsed HF tokenizer.json (read from `path`) and return its parts."""
     model = _hf_model(path, doc)
     pattern = _hf_pattern(path, doc.get("pre_tokenizer"))
     specials = _hf_specials(path, doc.get("added_tokens"))
@@ -190,9 +193,9 @@ def tokenizer_from_hf_doc(path: PathLike, doc: Any) -> Tokenizer:
     check_specials(path, specials, vocab)
     located = _hf_merges(path, model.get("merges"))
     check_merges(path, located, vocab.values())
-    return build_tokenizer(path, vocab, [(a, b) for _, a, b in located], specials, pattern)
+    return checked_parts(path, vocab, [(a, b) for _, a, b in located], specials, pattern)
 
 
-def read_hf(path: PathLike) -> Tokenizer:
-    """Import an HF `tokenizers` tokenizer.json holding a byte-level BPE model."""
-    return tokenizer_from_hf_doc(path, load_json(path))
+def parse_hf(path: PathLike) -> TokenizerParts:
+    """Read and check an HF `tokenizers` tokenizer.json holding a byte-level BPE model."""
+    return hf_parts_from_doc(path, load_json(path))

@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import KilnError
 from kiln.io import atomic_write, check_can_write
 from kiln.tokenizer.formats.common import (
     PathLike,
-    build_tokenizer,
+    TokenizerParts,
     check_merges,
     check_specials,
     check_vocab,
+    checked_parts,
     expect,
     expect_id,
     load_json,
@@ -22,7 +23,9 @@ from kiln.tokenizer.formats.common import (
     regular_vocab,
 )
 from kiln.tokenizer.patterns import NAMED_PATTERNS, SplitPattern, resolve_pattern
-from kiln.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.tokenizer import Tokenizer
 
 KILN_FORMAT = "kiln-tokenizer"
 KILN_VERSION = 1
@@ -74,9 +77,9 @@ def write_kiln(tok: Tokenizer, path: PathLike, force: bool = True) -> None:
         handle.write(text)
 
 
-def read_kiln(path: PathLike) -> Tokenizer:
-    """Load and validate kiln's `tokenizer.json`."""
-    return tokenizer_from_kiln_doc(path, load_json(path))
+def parse_kiln(path: PathLike) -> TokenizerParts:
+    """Read and check kiln's `tokenizer.json`."""
+    return kiln_parts_from_doc(path, load_json(path))
 
 
 def _check_header(path: PathLike, doc: Any) -> None:
@@ -147,8 +150,8 @@ def _kiln_merges(path: PathLike, field: Any, vocab: dict[int, bytes]) -> list[tu
     return merges
 
 
-def tokenizer_from_kiln_doc(path: PathLike, doc: Any) -> Tokenizer:
-    """Validate an already parsed kiln tokenizer.json (read from `path`) and build it."""
+def kiln_parts_from_doc(path: PathLike, doc: Any) -> TokenizerParts:
+    """Validate an already parsed kiln tokenizer.json (read from `path`) and return its parts."""
     _check_header(path, doc)
     pattern = _kiln_pattern(path, doc.get("pattern"))
     vocab = _kiln_vocab(path, doc.get("vocab"))
@@ -159,4 +162,4 @@ def tokenizer_from_kiln_doc(path: PathLike, doc: Any) -> Tokenizer:
     check_specials(path, specials, vocab)
     merges = _kiln_merges(path, doc.get("merges"), vocab)
     metadata = expect(path, "metadata", doc.get("metadata", {}), dict)
-    return build_tokenizer(path, vocab, merges, specials, pattern, metadata)
+    return checked_parts(path, vocab, merges, specials, pattern, metadata)

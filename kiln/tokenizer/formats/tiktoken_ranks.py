@@ -12,19 +12,23 @@ import binascii
 import os
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
 from kiln.io import atomic_write, check_can_write
 from kiln.tokenizer.formats.common import (
     PathLike,
-    build_tokenizer,
+    TokenizerParts,
     check_specials,
     check_vocab,
+    checked_parts,
     read_text,
     regular_ids,
     regular_vocab,
 )
-from kiln.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kiln.tokenizer.tokenizer import Tokenizer
 
 TIKTOKEN_LINE = re.compile(r"^[A-Za-z0-9+/=]+ \d+$")
 
@@ -119,13 +123,13 @@ def merges_from_ranks(path: PathLike, ranks: Mapping[bytes, int]) -> list[tuple[
     return merges
 
 
-def read_tiktoken(
+def parse_tiktoken(
     path: PathLike, pattern: str = "gpt2", special_tokens: Mapping[str, int] | None = None
-) -> Tokenizer:
-    """Import a tiktoken rank file; the pattern and special tokens are not in it, so pass them."""
+) -> TokenizerParts:
+    """Read a tiktoken rank file; the pattern and special tokens are not in it, so pass them."""
     ranks = _read_tiktoken_ranks(path)
     vocab = {rank: token for token, rank in ranks.items()}
     check_vocab(path, vocab)
     specials = dict(special_tokens or {})
     check_specials(path, specials, vocab)
-    return build_tokenizer(path, vocab, merges_from_ranks(path, ranks), specials, pattern)
+    return checked_parts(path, vocab, merges_from_ranks(path, ranks), specials, pattern)
