@@ -12,6 +12,9 @@ start-up, the trainer's MFU divides by `flops_per_token`, and the memory pre-fli
   forward FLOPs per token. That is what `flops_per_token` and kiln's MFU use, so
   figures compare with nanoGPT and PaLM. `causal=True` counts only the keys a query sees,
   (T+1)/2 on average (fewer under a sliding window): the work a causal kernel actually does.
+- Recurrent mixers (Mamba-2, Gated DeltaNet, `layer_pattern`) count the matmuls of their
+  chunked training form per token (`recurrent_mixing_flops`), which depend on the chunk length
+  but not on T, plus their depthwise conv; their projections are matmul parameters as usual.
 - Backward = 2 × forward (gradients with respect to the inputs and the weights).
 - The "6N" approximation uses N = all parameters (embeddings included), as in Hoffmann et al.
   (2022); the exact count uses the matmul parameters (the head, not the embedding lookup).
@@ -46,19 +49,80 @@ def param_breakdown(cfg: ModelConfig, active: bool = False) -> dict[str, int]:
     d, L = cfg.n_embd, cfg.n_layer
     norm_scale = (2 if cfg.norm == "layernorm" and cfg.bias else 1) * cfg.norm_scale
     qk_norms = 2 * norm_scale * cfg.head_size if cfg.qk_norm else 0
-    norms = cfg.norms_per_block * norm_scale * d + qk_norms
+    attn_norms = qk_norms
     final_norm = 0 if cfg.norm_placement == "post" else norm_scale * d  # post: blocks end normed
     if cfg.mla is not None:  # the latent RMSNorms (weight only)
-        norms += cfg.mla.kv_rank + (cfg.mla.q_rank or 0)
+        attn_norms += cfg.mla.kv_rank + (cfg.mla.q_rank or 0)
     sinks = cfg.n_head if cfg.attn_sinks else 0
+    mixers, norms = 0, L * cfg.norms_per_block * norm_scale * d + final_norm
+    for i in range(L):  # a recurrent mixer's gated RMSNorm counts as a norm, as q/k norms do
+        kind = cfg.layer_mixer(i)
+        if kind == "attention":
+            mixers, norms = mixers + attention_params(cfg, cfg.bias) + sinks, norms + attn_norms
+        else:
+            mixers += recurrent_params(cfg, kind, cfg.bias)
+            norms += cfg.mamba_inner if kind == "mamba2" else cfg.delta_head_dim
     return {
         "embeddings": cfg.padded_vocab_size * d
         + (cfg.block_size * d if cfg.pos_emb == "learned" else 0),
-        "attention": L * (attention_params(cfg, cfg.bias) + sinks),
+        "attention": mixers,  # the sequence mixers: attention, or Mamba-2 / Gated DeltaNet
         "mlp": sum(layer_mlp_params(cfg, i, cfg.bias, active) for i in range(L)),
-        "norms": L * norms + final_norm,  # every block's norms (+ q/k norms), the final one
+        "norms": norms,  # every block's norms (+ q/k or gated mixer norms), the final one
         "head": 0 if cfg.tie_embeddings else cfg.padded_vocab_size * d,
     }
+
+
+def recurrent_widths(cfg: ModelConfig, kind: str) -> tuple[int, int, int]:
+    """(input projection width, conv channels, output projection input) of one recurrent mixer."""
+    s = cfg.ssm
+    if kind == "mamba2":
+        conv = cfg.mamba_inner + 2 * s.n_groups * s.state_size
+        return cfg.mamba_inner + conv + cfg.mamba_heads, conv, cfg.mamba_inner
+    width = cfg.delta_heads * cfg.delta_head_dim
+    return 4 * width + 2 * cfg.delta_heads, 3 * width, width
+
+
+def recurrent_params(cfg: ModelConfig, kind: str, bias: bool, matmul_only: bool = False) -> int:
+    """One Mamba-2 or Gated DeltaNet mixer without its gated norm (see kiln/model/ssm.py).
+
+    Mamba-2: in/out projections, conv taps and biases, Δ bias, A and D per head. Gated
+    DeltaNet: the same without conv biases or D. `matmul_only`: the two projections' weights.
+    """
+    d, (w_in, conv, w_out) = cfg.n_embd, recurrent_widths(cfg, kind)
+    weights = d * w_in + w_out * d
+    if matmul_only:
+        return weights
+    heads = cfg.mamba_heads if kind == "mamba2" else cfg.delta_heads
+    extra = conv * cfg.ssm.conv_kernel + (conv + 3 * heads if kind == "mamba2" else 2 * heads)
+    return weights + extra + (w_in + d if bias else 0)
+
+
+def layer_mixer_matmul_params(cfg: ModelConfig, layer: int) -> int:
+    """Matmul weights of one layer's sequence mixer (attention or recurrent)."""
+    kind = cfg.layer_mixer(layer)
+    if kind == "attention":
+        return attention_params(cfg, bias=False)
+    return recurrent_params(cfg, kind, bias=False, matmul_only=True)
+
+
+def recurrent_mixing_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """Forward FLOPs per token of a recurrent mixer's chunked form, outside its projections.
+
+    With chunk length L = min(chunk_size, T) and the conv's 2·channels·K. Mamba-2 (H heads of
+    P, state N, G groups): C·Bᵀ 2LNG, the masked product with x 2LHP, state in and out 4HPN.
+    Gated DeltaNet (per head, Dk = Dv = D): β·K·Kᵀ, Q·Kᵀ, the UT products on K and V, the
+    scores on V' 2L·5D, and W·S, Q·S, Kᵀ·V' 6D²; its L×L triangular solve per chunk (L²/2
+    multiply-adds per token and head) is not a matmul and, as FlopCounterMode, is left out.
+    A sequence shorter than a multiple of L is padded, which this per-token figure ignores.
+    """
+    kind, s = cfg.layer_mixer(layer), cfg.ssm
+    L = min(s.chunk_size, seq_len)
+    conv = 2 * recurrent_widths(cfg, kind)[1] * s.conv_kernel
+    if kind == "mamba2":
+        H, P, N = cfg.mamba_heads, s.head_dim, s.state_size
+        return conv + 2 * L * N * s.n_groups + 2 * L * H * P + 4 * H * P * N
+    H, D = cfg.delta_heads, cfg.delta_head_dim
+    return conv + H * (10 * L * D + 6 * D * D)
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -77,7 +141,7 @@ def num_matmul_params(cfg: ModelConfig) -> int:
     For MoE layers these are the active ones: router, top_k routed experts, shared experts.
     """
     layers = sum(
-        attention_params(cfg, bias=False) + layer_mlp_params(cfg, i, False, active=True)
+        layer_mixer_matmul_params(cfg, i) + layer_mlp_params(cfg, i, False, active=True)
         for i in range(cfg.n_layer)
     )
     return layers + cfg.padded_vocab_size * cfg.n_embd
@@ -121,7 +185,7 @@ def mlp_params(cfg: ModelConfig, bias: bool, ff: int | None = None) -> int:
 def layer_mlp_params(cfg: ModelConfig, layer: int, bias: bool, active: bool = False) -> int:
     """One layer's MLP: dense, or router + routed experts (all, or top_k) + shared experts."""
     if cfg.moe is None or not cfg.is_moe_layer(layer):
-        return mlp_params(cfg, bias)
+        return mlp_params(cfg, bias) if cfg.has_mlp else 0
     m, d, fe = cfg.moe, cfg.n_embd, cfg.expert_size
     expert = (3 if cfg.gated else 2) * d * fe  # experts have no biases
     shared = mlp_params(cfg, bias, m.n_shared * fe) if m.n_shared else 0
@@ -138,8 +202,22 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     matrix (the PaLM / nanoGPT convention, no causal or window discount), so MFU figures
     compare across implementations; with d_qk = d_v = head_dim it is 12·L·H·head_dim·T.
     """
-    attn = 6 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
-    return 6 * num_matmul_params(cfg) + attn
+    attn = 6 * attention_layers(cfg) * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+    return 6 * num_matmul_params(cfg) + attn + 3 * recurrent_flops(cfg, seq_len)
+
+
+def attention_layers(cfg: ModelConfig) -> int:
+    """Layers whose mixer is attention (all of them unless `layer_pattern` says otherwise)."""
+    return sum(cfg.layer_mixer(i) == "attention" for i in range(cfg.n_layer))
+
+
+def recurrent_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward mixing FLOPs per token of every recurrent layer (`recurrent_mixing_flops`)."""
+    return sum(
+        recurrent_mixing_flops(cfg, i, seq_len)
+        for i in range(cfg.n_layer)
+        if cfg.layer_mixer(i) != "attention"
+    )
 
 
 @dataclass(frozen=True)
@@ -151,11 +229,12 @@ class FlopCount:
     forward_matmul: int  # 2 · N_matmul
     forward_attention: float  # q·kᵀ and p·v: 4·L·H·head_dim · (keys per query)
     six_n: int  # the 6N approximation, N = all parameters
+    forward_recurrent: int = 0  # recurrent mixers' chunked-form products and convs
 
     @property
     def forward(self) -> float:
         """Forward FLOPs per token."""
-        return self.forward_matmul + self.forward_attention
+        return self.forward_matmul + self.forward_attention + self.forward_recurrent
 
     @property
     def backward(self) -> float:
@@ -169,17 +248,18 @@ class FlopCount:
 
 
 def mean_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
-    """Keys each query scores, averaged over positions and layers."""
+    """Keys each query scores, averaged over positions and attention layers."""
     if not causal:
         return float(seq_len)
     total = 0
-    for layer in range(cfg.n_layer):
+    layers = [i for i in range(cfg.n_layer) if cfg.layer_mixer(i) == "attention"]
+    for layer in layers:
         w = cfg.layer_window(layer)
         if w is None or w >= seq_len:
             total += seq_len * (seq_len + 1) // 2
         else:  # positions before w see t+1 keys, the rest see w
             total += w * (w + 1) // 2 + (seq_len - w) * w
-    return total / (cfg.n_layer * seq_len)
+    return total / (max(len(layers), 1) * seq_len)
 
 
 def flop_count(cfg: ModelConfig, seq_len: int, causal: bool = False) -> FlopCount:
@@ -187,8 +267,11 @@ def flop_count(cfg: ModelConfig, seq_len: int, causal: bool = False) -> FlopCoun
     if seq_len < 1:
         raise KilnError(f"seq_len must be >= 1, got {seq_len}")
     keys = mean_keys_per_query(cfg, seq_len, causal)
-    attn = 2 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * keys
-    return FlopCount(seq_len, causal, 2 * num_matmul_params(cfg), attn, 6 * num_active_params(cfg))
+    attn = 2 * attention_layers(cfg) * cfg.n_head * (cfg.qk_head_dim + cfg.v_head_dim) * keys
+    return FlopCount(
+        seq_len, causal, 2 * num_matmul_params(cfg), attn, 6 * num_active_params(cfg),
+        recurrent_flops(cfg, seq_len),
+    )  # fmt: skip
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from kiln.model import accounting
 
 # "gelu" is the tanh approximation (GPT-2's gelu_new), as it always was in kiln; "gelu_exact" is
 # erf-GELU. The gated kinds multiply an activated gate by an up projection (fused in one matrix).
-ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu", "none")
 GATED = ("swiglu", "geglu")
 POSITIONS = ("learned", "rope", "sinusoidal", "none")
+# A block's sequence mixer, by letter of `layer_pattern`: attention, Mamba-2 (SSD), Gated DeltaNet.
+MIXERS = {"A": "attention", "M": "mamba2", "D": "deltanet"}
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
@@ -150,6 +152,43 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class SSMConfig:
+    """Sizes of the recurrent mixers (kiln/model/ssm.py) that `layer_pattern` places.
+
+    Mamba-2: inner width expand·n_embd in heads of head_dim, a state of state_size per head, B
+    and C shared by n_groups groups of heads. Gated DeltaNet: delta_heads heads (None: n_head)
+    with keys and values of delta_head_dim (None: head_size). Both run a causal depthwise conv
+    of conv_kernel taps first and train in chunks of chunk_size (a speed knob, not a model one).
+    """
+
+    state_size: int = 64
+    expand: int = 2
+    head_dim: int = 64
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    delta_heads: int | None = None
+    delta_head_dim: int | None = None
+    dt_min: float = 0.001  # Mamba-2's time steps start log-uniform in [dt_min, dt_max]...
+    dt_max: float = 0.1
+    dt_floor: float = 1e-4  # ...and no smaller than this
+
+    def __post_init__(self) -> None:
+        """Every size positive, the time-step range ordered."""
+        for name in ("state_size", "expand", "head_dim", "n_groups", "conv_kernel", "chunk_size"):
+            _require(
+                getattr(self, name) >= 1, f"ssm.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        for name in ("delta_heads", "delta_head_dim"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"ssm.{name} must be >= 1, got {value}")
+        _require(
+            0 < self.dt_min <= self.dt_max,
+            f"ssm needs 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only Transformer LM; the defaults are GPT-2 124M exactly as released."""
 
@@ -193,6 +232,8 @@ class ModelConfig:
     attn_scale: float | None = None  # query-key scale; None: 1/√head_dim (µP: √D₀/D, see below)
     attn_softcap: float | None = None  # attention scores -> c·tanh(s / c) (Gemma 2)
     mup_base_width: int | None = None  # µP relative to this n_embd (kiln/train/mup.py); None: SP
+    layer_pattern: str = "A"  # mixers by letter (MIXERS), cycled over layers: "DDDA" is 3:1 hybrid
+    ssm: SSMConfig = SSMConfig()  # sizes of the Mamba-2 ("M") and Gated DeltaNet ("D") mixers
 
     def __post_init__(self) -> None:
         """Reject configs that cannot build a model, naming the field and what was expected."""
@@ -278,10 +319,48 @@ class ModelConfig:
         if self.mla is not None:
             _require(self.pos_emb == "rope", "mla needs pos_emb = 'rope' (its decoupled RoPE key)")
             _require(not self.qk_norm, "mla and qk_norm cannot be combined (MLA norms its latents)")
+        self._check_mixers()
         if self.moe is not None:
             _require(
                 self.moe.first_dense <= self.n_layer,
                 f"moe.first_dense ({self.moe.first_dense}) exceeds n_layer ({self.n_layer})",
+            )
+
+    def _check_mixers(self) -> None:
+        """The layer pattern's letters, and what the recurrent mixers and mlp = 'none' need."""
+        _require(
+            len(self.layer_pattern) >= 1 and set(self.layer_pattern) <= set(MIXERS),
+            f"layer_pattern must be a non-empty string of {', '.join(MIXERS)} "
+            f"({', '.join(f'{k}: {v}' for k, v in MIXERS.items())}), got {self.layer_pattern!r}",
+        )
+        _require(
+            isinstance(self.ssm, SSMConfig),
+            f"ssm must be an SSMConfig, got {self.ssm!r} (plain data goes through from_dict)",
+        )
+        if self.mlp == "none":
+            _require(
+                self.norm_placement == "pre" and not self.parallel_block and self.moe is None,
+                "mlp = 'none' (mixer-only blocks, as Mamba-2) needs norm_placement = 'pre', "
+                "parallel_block = false and no moe",
+            )
+        if not self.has_recurrent_layers:
+            return
+        _require(
+            not self.parallel_block,
+            f"layer_pattern {self.layer_pattern!r} has recurrent mixers; they have no parallel "
+            "block form (parallel_block = false)",
+        )
+        s = self.ssm
+        if "M" in self.layer_pattern:
+            inner = s.expand * self.n_embd
+            _require(
+                inner % s.head_dim == 0,
+                f"ssm.head_dim ({s.head_dim}) must divide the Mamba-2 inner width expand·n_embd "
+                f"({inner})",
+            )
+            _require(
+                (inner // s.head_dim) % s.n_groups == 0,
+                f"ssm.n_groups ({s.n_groups}) must divide the Mamba-2 heads ({inner // s.head_dim})",
             )
 
     # ---- derived sizes -------------------------------------------------------------------------
@@ -346,6 +425,8 @@ class ModelConfig:
         """Norm layers in one block: 2, 4 with sandwich norms, 1 in a shared-norm parallel block."""
         if self.norm_placement == "sandwich":
             return 4
+        if not self.has_mlp:
+            return 1
         return 1 if self.parallel_block and self.parallel_norms == 1 else 2
 
     @property
@@ -388,6 +469,40 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether this layer's MLP is a mixture of experts."""
         return self.moe is not None and layer >= self.moe.first_dense
+
+    def layer_mixer(self, layer: int) -> str:
+        """This layer's sequence mixer: "attention", "mamba2" or "deltanet" (see MIXERS)."""
+        return MIXERS[self.layer_pattern[layer % len(self.layer_pattern)]]
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layer is a Mamba-2 or Gated DeltaNet mixer (a recurrent state to carry)."""
+        return any(self.layer_mixer(i) != "attention" for i in range(self.n_layer))
+
+    @property
+    def has_mlp(self) -> bool:
+        """Whether blocks have an MLP after the mixer (mlp = 'none': mixer-only, as Mamba-2)."""
+        return self.mlp != "none"
+
+    @property
+    def mamba_inner(self) -> int:
+        """Mamba-2's inner width (expand·n_embd), split into mamba_heads heads of ssm.head_dim."""
+        return self.ssm.expand * self.n_embd
+
+    @property
+    def mamba_heads(self) -> int:
+        """Number of Mamba-2 heads."""
+        return self.mamba_inner // self.ssm.head_dim
+
+    @property
+    def delta_heads(self) -> int:
+        """Number of Gated DeltaNet heads."""
+        return self.ssm.delta_heads or self.n_head
+
+    @property
+    def delta_head_dim(self) -> int:
+        """Gated DeltaNet's key and value width per head."""
+        return self.ssm.delta_head_dim or self.head_size
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding-window size of one layer, or None when it attends to the whole prefix."""

@@ -30,6 +30,18 @@ class AttentionCache(Protocol):
         ...
 
 
+class RecurrentCache(AttentionCache, Protocol):
+    """A cache that also holds Mamba-2 / Gated DeltaNet layers' fixed-size states."""
+
+    def recurrent(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """This layer's (conv state (B, C, K-1), SSM state), or None before the first token."""
+        ...
+
+    def set_recurrent(self, layer: int, conv: Tensor, state: Tensor) -> None:
+        """Replace this layer's states (called by the layer on every forward)."""
+        ...
+
+
 class PagedAttentionCache(AttentionCache, Protocol):
     """A cache that places every token itself and runs attention over its own layout.
 
@@ -46,7 +58,10 @@ class PagedAttentionCache(AttentionCache, Protocol):
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated (B, H_kv, max_len, D): GQA stores H_kv heads."""
+    """Keys and values of every layer, preallocated (B, H_kv, max_len, D): GQA stores H_kv heads.
+
+    Recurrent layers (model.layer_pattern) store no keys: their constant-size state instead.
+    """
 
     def __init__(
         self,
@@ -60,8 +75,15 @@ class KVCache:
     ) -> None:
         heads, k_dim, v_dim = cfg.kv_cache_dims  # MLA: its latent and RoPE key, one "head"
         k_shape, v_shape = (batch_size, heads, max_len, k_dim), (batch_size, heads, max_len, v_dim)
-        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        attention = [cfg.layer_mixer(i) == "attention" for i in range(cfg.n_layer)]
+        none = torch.empty(0, device=device, dtype=dtype)
+        self.k = [
+            torch.zeros(k_shape, device=device, dtype=dtype) if a else none for a in attention
+        ]
+        self.v = [
+            torch.zeros(v_shape, device=device, dtype=dtype) if a else none for a in attention
+        ]
+        self.states: dict[int, tuple[Tensor, Tensor]] = {}  # recurrent layers: (conv, SSM)
         self.max_len = max_len
         self.length = 0  # slots filled so far (the same for every row)
         self.first_valid = first_valid  # (B,) first real slot of each row, or None: no padding
@@ -78,3 +100,11 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Mark n more slots as filled (called once per forward, after every layer stored)."""
         self.length += n
+
+    def recurrent(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """This layer's (conv state, SSM state), or None before the first token."""
+        return self.states.get(layer)
+
+    def set_recurrent(self, layer: int, conv: Tensor, state: Tensor) -> None:
+        """Replace this layer's states (called by the layer on every forward)."""
+        self.states[layer] = (conv, state)

@@ -155,15 +155,26 @@ class Block(nn.Module):
         super().__init__()
         from kiln.model.mla import LatentAttention
         from kiln.model.moe import MoE
+        from kiln.model.ssm import make_mixer
 
         self.placement, self.parallel = cfg.norm_placement, cfg.parallel_block
         fused = cfg.fused_input and not cfg.is_moe_layer(layer)
         self.norm1 = make_norm(cfg, cfg.n_embd)
-        self.attn = (
-            LatentAttention(cfg, layer) if cfg.mla else CausalSelfAttention(cfg, layer, fused)
-        )
+        self.attn: (
+            nn.Module
+        )  # the sequence mixer: attention, or a recurrent one (kiln/model/ssm.py)
+        if cfg.layer_mixer(layer) != "attention":
+            self.attn = make_mixer(cfg, layer)
+        elif cfg.mla:
+            self.attn = LatentAttention(cfg, layer)
+        else:
+            self.attn = CausalSelfAttention(cfg, layer, fused)
         self.norm2 = make_norm(cfg, cfg.n_embd) if cfg.norms_per_block != 1 else None
-        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg, fused_input=fused)
+        self.mlp: nn.Module | None = None  # mlp = "none": a mixer-only block (Mamba-2's)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, layer)
+        elif cfg.has_mlp:
+            self.mlp = MLP(cfg, fused_input=fused)
         self.in_proj = None  # (C, qkv + mlp input): one matmul feeds both branches
         if fused:
             width = self.attn.in_width + self.mlp.in_width
@@ -188,6 +199,8 @@ class Block(nn.Module):
             return self.norm2(x + self.mlp(x))
         a = self.attn(self.norm1(x), rope, mask, cache)  # (B, T, C)
         x = x + (a if self.norm1_post is None else self.norm1_post(a))
+        if self.mlp is None:
+            return x
         m = self.mlp(self.norm2(x))
         return x + (m if self.norm2_post is None else self.norm2_post(m))
 

@@ -69,6 +69,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
+        for module in self.modules():
+            if hasattr(module, "init_ssm"):  # recurrent mixers: decays, time steps, conv taps
+                module.init_ssm()
         for name, buffer in self.named_buffers():
             if name.endswith("expert_bias"):  # MoE balancing biases start neutral
                 buffer.zero_()
@@ -147,6 +150,12 @@ class Transformer(nn.Module):
         if given is not None:
             pos = given  # (B, T): each token's position in its own sequence (checked by the cache)
         if segments is not None:
+            if self.cfg.has_recurrent_layers:
+                raise KilnError(
+                    f"packed segments (document masks) are not supported with recurrent layers "
+                    f"(model.layer_pattern = {self.cfg.layer_pattern!r}): their state would carry "
+                    "across documents; train without packing"
+                )
             if cache is not None:
                 raise KilnError("packed segments are for training passes, not cached decoding")
             pos = segment_positions(segments)  # (B, T)

@@ -120,6 +120,10 @@ def _check_mesh_supports(model: ModelConfig, shape: dict[str, int]) -> None:
     if model.mla is not None:
         raise KilnError("the [parallel] mesh does not split MLA attention (model.mla) yet; train "
                         "it with train.parallel = 'ddp' or 'fsdp'")  # fmt: skip
+    if model.has_recurrent_layers and (shape["tp"] > 1 or shape["pp"] > 1):
+        raise KilnError(f"the [parallel] mesh does not split or stage recurrent layers "
+                        f"(model.layer_pattern = {model.layer_pattern!r}) yet; train them with "
+                        "tp = 1 and pp = 1 (ddp or fsdp)")  # fmt: skip
     if model.moe is not None and shape["tp"] > 1:
         raise KilnError("parallel.tp > 1 does not split MoE experts (model.moe) yet; use tp = 1")
     if shape["pp"] > 1 and model.moe is not None:  # the stages run the model's own code, but

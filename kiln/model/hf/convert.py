@@ -3,7 +3,7 @@
 Directories are read and written without `transformers` (config.json + safetensors), so a kiln
 install can load HF checkpoints; `from_hf` / `to_hf` convert live `transformers` objects. The
 config and the weights go to the module of their family: gpt2.py, llama.py (and moe_mla.py for
-Mixtral, Qwen3-MoE and DeepSeek-V3), neox_gemma.py (GPT-NeoX, Gemma 2).
+Mixtral, Qwen3-MoE and DeepSeek-V3), neox_gemma.py (GPT-NeoX, Gemma 2), mamba2.py (Mamba-2).
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ from kiln.model.hf.llama import (
     llama_config_to_hf,
     llama_state_from_hf,
     llama_state_to_hf,
+)
+from kiln.model.hf.mamba2 import (
+    is_mamba2,
+    mamba2_config_from_hf,
+    mamba2_config_to_hf,
+    mamba2_state_from_hf,
+    mamba2_state_to_hf,
 )
 from kiln.model.hf.moe_mla import FAMILIES, family_fields_from_hf, family_of
 from kiln.model.hf.neox_gemma import (
@@ -117,10 +124,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         cfg = dataclasses.replace(cfg, **family_fields_from_hf(hf, model_type))
     elif model_type in SWITCH_FAMILIES:  # GPT-NeoX, Gemma 2 (neox_gemma.py)
         cfg = switch_config_from_hf(hf, model_type)
+    elif model_type == "mamba2":
+        cfg = mamba2_config_from_hf(hf)
     else:
         raise KilnError(
             f"unsupported HF model_type {model_type!r}; kiln reads 'gpt2', 'llama', "
-            f"{', '.join(repr(f) for f in FAMILIES + SWITCH_FAMILIES)}"
+            f"{', '.join(repr(f) for f in FAMILIES + SWITCH_FAMILIES)}, 'mamba2'"
         )
     saved = hf.get("kiln") or {}
     try:
@@ -147,6 +156,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """An HF config dict for the family the config belongs to; a clear error if it fits none."""
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
         return {**switch_config_to_hf(cfg, switch_family), "kiln": cfg.to_dict()}
+    if is_mamba2(cfg):
+        return {**mamba2_config_to_hf(cfg), "kiln": cfg.to_dict()}
+    if cfg.has_recurrent_layers or not cfg.has_mlp:
+        raise KilnError(
+            f"no HF equivalent for layer_pattern {cfg.layer_pattern!r} with mlp {cfg.mlp!r}: kiln "
+            "exports recurrent layers only as Mamba-2 (every layer 'M', mlp 'none', RMSNorm, "
+            "pos_emb 'none')"
+        )
     unsupported = [
         name
         for name, on in (
@@ -185,7 +202,12 @@ def state_dict_to_hf(model: Transformer) -> dict[str, Tensor]:
     cfg, sd = model.cfg, model.state_dict()
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
         return {k: v.contiguous() for k, v in switch_state_to_hf(cfg, sd, switch_family).items()}
-    out = gpt2_state_to_hf(cfg, sd) if cfg.pos_emb == "learned" else llama_state_to_hf(cfg, sd)
+    if is_mamba2(cfg):
+        out = mamba2_state_to_hf(cfg, sd)
+    elif cfg.pos_emb == "learned":
+        out = gpt2_state_to_hf(cfg, sd)
+    else:
+        out = llama_state_to_hf(cfg, sd)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"][: cfg.vocab_size]
     return {k: v.contiguous() for k, v in out.items()}
@@ -201,6 +223,8 @@ def state_dict_from_hf(
     hf = {k.removeprefix("module."): v for k, v in hf.items()}
     if (switch_family := switch_family_of(cfg)) is not None:  # GPT-NeoX, Gemma 2
         out = switch_state_from_hf(cfg, hf, switch_family)
+    elif is_mamba2(cfg):
+        out = mamba2_state_from_hf(cfg, hf)
     elif cfg.pos_emb == "learned":
         out = gpt2_state_from_hf(cfg, hf)
     else:

@@ -168,6 +168,12 @@ def check_servable(cfg: ModelConfig) -> None:
             "the engine's paged KV cache holds per-head keys and values; an MLA model (model.mla) "
             "caches a latent instead: generate with kiln.model.generate (kiln sample does)"
         )
+    if cfg.has_recurrent_layers:
+        raise EngineConfigError(
+            f"the engine's paged KV cache holds no recurrent state for Mamba-2 / Gated DeltaNet "
+            f"layers (model.layer_pattern = {cfg.layer_pattern!r}): generate with "
+            "kiln.model.generate (kiln sample does)"
+        )
     if cfg.attn_sinks:
         raise EngineConfigError(
             "the engine's paged attention has no sink logits (model.attn_sinks): generate with "
