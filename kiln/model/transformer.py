@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from kiln.errors import KilnError
 from kiln.model.attention import attention_mask, segment_positions
+from kiln.model.block import Block
 from kiln.model.config import ModelConfig
-from kiln.model.layers import Block, make_norm
+from kiln.model.layers import make_norm
 from kiln.model.loss import lm_loss
 from kiln.model.moe import moe_aux_loss
 from kiln.model.rope import dynamic_rope_length, rope_tables
