@@ -299,7 +299,8 @@ def _models(models: dict[str, Any]) -> str:
             f"{c.get('positive_documents', 0):,} positive ({_esc(', '.join(c.get('positive', [])))})"
             f" and {c.get('negative_documents', 0):,} negative "
             f"({_esc(', '.join(c.get('negative', [])))}) documents; threshold applied "
-            f"{c['threshold']:.4f}. Examples: <a href='#kept'>kept</a>, "
+            f"{c['threshold']:.4f} (keep-fraction quantiles from "
+            f"{c.get('quantile_documents', 0):,} held-out negative documents). Examples: <a href='#kept'>kept</a>, "
             f"<a href='#{_removed_anchor('classifier/classifier.low_score')}'>removed</a>.</p>"
         )
     p = models.get("perplexity")
