@@ -124,3 +124,20 @@ def test_bad_configuration_is_one_clear_error(trained, tmp_path):
     (folder / "empty.txt").write_text("", encoding="utf-8")
     with pytest.raises(KilnError, match=r"negative: the sources \(web\) hold no documents"):
         train_classifier(folder / "cls.toml", ('negative=[{name="web",paths=["empty.txt"]}]',))
+
+
+def test_cli_trains_and_prints_held_out_accuracy(trained, tmp_path, capsys):
+    from kiln.cli import main
+
+    folder, record = trained
+    out = tmp_path / "cli.npz"
+    assert (
+        main(["data", "classifier", "train", str(folder / "cls.toml"), "--set", f"output={out}"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert f"held-out accuracy {record['held_out']['accuracy']:.1%}" in printed
+    assert out.read_bytes() == (folder / "cls.npz").read_bytes()
+    bad = ["data", "classifier", "train", str(folder / "cls.toml"), "--set", "held_out=1.5"]
+    assert main(bad) == 2
+    assert "cls.toml: held_out = 1.5: expected a fraction in (0, 1)" in capsys.readouterr().err

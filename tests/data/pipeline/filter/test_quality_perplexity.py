@@ -118,3 +118,13 @@ def test_bad_configuration_is_one_clear_error(tmp_path):
     )
     with pytest.raises(KilnError, match=r"reference\['r'\]: missing\*\.txt matches no file"):
         train_perplexity_lm(tmp_path / "lm.toml")
+
+
+def test_cli_trains_and_prints_the_cutoffs(lm_file, capsys):
+    from kiln.cli import main
+
+    toml = lm_file.parent / "lm.toml"
+    out = lm_file.parent / "cli.npz"
+    assert main(["data", "perplexity", "train", str(toml), "--set", f"output={out}"]) == 0
+    assert "30th percentile perplexity" in capsys.readouterr().out
+    assert NGramLM.load(out).info == NGramLM.load(lm_file).info
