@@ -42,7 +42,7 @@ CHANGES = {
     "extract": ("extracted the main text of an HTML page", ()),
     "normalise": ("normalised Unicode and whitespace", ()),
     "c4": ("removed lines that break C4's line rules", ("c4_lines_removed",)),
-    "pii": ("redacted e-mail and IP addresses", ("pii",)),
+    "pii": ("redacted personal data (e-mail, IP, phone)", ("pii",)),
     "decontaminate": ("cut passages matching evaluation sets", ("decontam", "decontam_cuts")),
 }
 
