@@ -1,4 +1,5 @@
-"""`kiln data run|tokenize|inspect`: the data pipeline, plain tokenization, and inspection."""
+"""`kiln data run|tokenize|inspect|classifier|perplexity`: the data pipeline, plain tokenization,
+inspection, and training the models of the model-based quality stages."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ _EXAMPLES = {
   kiln data tokenize --tokenizer tok.json stories.txt.gz --out data/stories
   kiln data tokenize --tokenizer tok.json web/*.jsonl.zst --text-field text --out data/web \\
       --val-docs 5000 --workers 16 --shard-tokens 100000000 --seed 1""",
+    "classifier train": """examples:
+  kiln data classifier train configs/quality_classifier.toml
+  kiln data classifier train cls.toml --set epochs=10 --set output=cls10.npz""",
+    "perplexity train": """examples:
+  kiln data perplexity train configs/perplexity_lm.toml
+  kiln data perplexity train lm.toml --set order=4""",
     "inspect": """examples:
   kiln data inspect data/stories
   kiln data inspect data/stories --tokenizer elsewhere/tok.json --split val --doc 3 --verify
@@ -43,6 +50,56 @@ def register(sub: Any) -> None:
     _add_run(commands)
     _add_tokenize(commands)
     _add_inspect(commands)
+    _add_model_training(commands)
+
+
+# ------------------------------------------------------------- classifier / perplexity train
+def _add_model_training(commands: Any) -> None:
+    for group, what, handler in (
+        ("classifier", "the quality classifier (positive vs negative sources)", run_train_cls),
+        ("perplexity", "the reference n-gram LM and its percentile cutoffs", run_train_lm),
+    ):
+        sub = add_command_group(
+            commands,
+            group,
+            f"train {what} of the `{group}` pipeline stage",
+            f"The model of the `quality.{group}` stage of `kiln data run`.",
+            f"kiln data {group} train CONFIG.toml",
+        )
+        p = add_subcommand(sub, "train", f"train {what}", _EXAMPLES[f"{group} train"])
+        p.add_argument("config", metavar="CONFIG.toml", help="the training config")
+        p.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a value"
+        )
+        p.set_defaults(handler=handler)
+
+
+def run_train_cls(args: argparse.Namespace) -> int:
+    """Handler of `kiln data classifier train`: train, write, print held-out accuracy."""
+    from kiln.data.pipeline.filter.model_training import train_classifier
+
+    record = train_classifier(args.config, tuple(args.set))
+    held = record["held_out"]
+    print(
+        f"wrote {record['output']}: trained on {record['positive_documents']:,} positive and "
+        f"{record['negative_documents']:,} negative documents; held-out accuracy "
+        f"{held['accuracy']:.1%} on {held['documents']:,} (positive "
+        f"{held['positive_accuracy']:.1%}, negative {held['negative_accuracy']:.1%})"
+    )
+    return 0
+
+
+def run_train_lm(args: argparse.Namespace) -> int:
+    """Handler of `kiln data perplexity train`: train, write, print the cutoffs."""
+    from kiln.data.pipeline.filter.model_training import train_perplexity_lm
+
+    r = train_perplexity_lm(args.config, tuple(args.set))
+    print(
+        f"wrote {r['output']}: {r['order']}-gram LM on {r['tokens']:,} tokens "
+        f"({r['vocab_size']:,} words); sample of {r['sample_documents']:,} documents: "
+        f"30th percentile perplexity {r['p30']:.1f}, 60th {r['p60']:.1f}"
+    )
+    return 0
 
 
 # ---------------------------------------------------------------------------------------- run

@@ -114,7 +114,9 @@ def _change_lines(entry: dict[str, Any]) -> list[str]:
     )
     lines = [head]
     if "pii" in entry:
-        lines.append(f"  {entry['pii'].get('email', 0)} e-mail, {entry['pii'].get('ip', 0)} IP")
+        pii = entry["pii"]
+        phones = f", {pii['phone']} phone" if "phone" in pii else ""
+        lines.append(f"  {pii.get('email', 0)} e-mail, {pii.get('ip', 0)} IP{phones}")
     if entry.get("c4_lines_removed"):
         rules = ", ".join(f"{rule}: {n}" for rule, n in entry["c4_lines_removed"].items())
         lines.append(f"  lines removed by rule: {rules}")

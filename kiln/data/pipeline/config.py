@@ -17,12 +17,16 @@ from kiln import config as cfgio
 from kiln.data.pipeline.decontaminate.ngram_overlap import DecontamConfig
 from kiln.data.pipeline.dedup.exact import ExactDedupConfig
 from kiln.data.pipeline.dedup.minhash import MinHashConfig
+from kiln.data.pipeline.filter.bad_words import BadWordsConfig
 from kiln.data.pipeline.filter.language import LanguageConfig
 from kiln.data.pipeline.filter.normalise import NormaliseConfig
 from kiln.data.pipeline.filter.pii import PIIConfig
 from kiln.data.pipeline.filter.quality_c4 import C4Config
+from kiln.data.pipeline.filter.quality_classifier import ClassifierConfig
 from kiln.data.pipeline.filter.quality_fineweb import FineWebConfig
 from kiln.data.pipeline.filter.quality_gopher import GopherQualityConfig, GopherRepetitionConfig
+from kiln.data.pipeline.filter.quality_perplexity import PerplexityConfig
+from kiln.data.pipeline.filter.url_blocklist import UrlBlocklistConfig
 from kiln.data.pipeline.read.extract import ExtractConfig
 from kiln.data.pipeline.read.readers import detect_format
 from kiln.errors import KilnError
@@ -68,6 +72,8 @@ class QualityConfig:
     gopher_repetition: GopherRepetitionConfig = field(default_factory=GopherRepetitionConfig)
     c4: C4Config = field(default_factory=C4Config)
     fineweb: FineWebConfig = field(default_factory=FineWebConfig)
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)  # model-based: last
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,10 @@ class PipelineConfig:
     docs_per_task: int = 5_000  # documents per unit of work (and of resumption)
     removed_samples: int = 5  # removed documents kept as examples per (stage, reason)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
+    url_blocklist: UrlBlocklistConfig = field(default_factory=UrlBlocklistConfig)
     normalise: NormaliseConfig = field(default_factory=NormaliseConfig)
     language: LanguageConfig = field(default_factory=LanguageConfig)
+    bad_words: BadWordsConfig = field(default_factory=BadWordsConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
     pii: PIIConfig = field(default_factory=PIIConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
@@ -167,7 +175,23 @@ def load_pipeline_config(path: str | Path, overrides: tuple[str, ...] = ()) -> P
     c4 = cfg.quality.c4
     if c4.bad_words_file:
         c4 = replace(c4, bad_words_file=_resolve(c4.bad_words_file, base))
-    quality = replace(cfg.quality, c4=c4)
+    q = cfg.quality
+    quality = replace(
+        q,
+        c4=c4,
+        classifier=replace(q.classifier, model=_resolve(q.classifier.model, base))
+        if q.classifier.model
+        else q.classifier,
+        perplexity=replace(q.perplexity, model=_resolve(q.perplexity.model, base))
+        if q.perplexity.model
+        else q.perplexity,
+    )
+    bad_words = cfg.bad_words
+    if bad_words.words_file:
+        bad_words = replace(bad_words, words_file=_resolve(bad_words.words_file, base))
+    blocklist = cfg.url_blocklist
+    if blocklist.file:
+        blocklist = replace(blocklist, file=_resolve(blocklist.file, base))
     output = _resolve(cfg.output, base) if cfg.output else ""
     return replace(
         cfg,
@@ -175,6 +199,8 @@ def load_pipeline_config(path: str | Path, overrides: tuple[str, ...] = ()) -> P
         decontaminate=decontam,
         tokenize=tokenize,
         quality=quality,
+        bad_words=bad_words,
+        url_blocklist=blocklist,
         output=output,
     )
 

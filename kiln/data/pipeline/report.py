@@ -105,11 +105,13 @@ def _histograms(hists: dict[str, Any]) -> str:
     labels = {
         "log10_chars": [f"10^{b:g} chars" for b in bins.get("log10_chars", [])],
         "lang_score": [f"{b:.2f}" for b in bins.get("lang_score", [])],
+        "classifier_score": [f"{b:.2f}" for b in bins.get("classifier_score", [])],
         "tokens": [f"{int(b):,} tokens" for b in bins.get("tokens", [])],
     }
     titles = {
         "log10_chars": "document length as read (characters, log scale)",
         "lang_score": "language-ID score",
+        "classifier_score": "quality-classifier score P(high quality)",
         "tokens": "training document length (tokens, log2 bins)",
     }
     out = []
@@ -147,6 +149,8 @@ def _samples(samples: dict[str, list[dict[str, Any]]]) -> str:
         out.append(f"<h3 id='{_esc(_removed_anchor(key))}'>{_esc(key)}</h3>")
         for r in samples[key]:
             dup = f" — duplicate of {_esc(r['duplicate_of'])}" if r.get("duplicate_of") else ""
+            if "score" in r:
+                dup += f" — score {_esc(r['score'])}"
             out.append(
                 f"<div class='muted'>{_esc(r['id'])} ({_esc(r['file'])} record "
                 f"{_esc(r['ordinal'])}){dup}</div><pre>{_esc(r.get('excerpt', ''))}</pre>"
@@ -244,6 +248,7 @@ def render_report(stats: dict[str, Any]) -> str:
         "<h2>Funnel</h2>",
         _funnel_svg(funnel),
         _table(["stage", "in", "kept", "removed", "changed", "reasons"], funnel_rows, left=(0, 5)),
+        _models(stats.get("models", {})),
         "<h2>Mixture (training split, in tokens)</h2>",
         _table(
             [
@@ -276,6 +281,38 @@ def render_report(stats: dict[str, Any]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>kiln data report</title>"
         f"<style>{_CSS}</style></head><body>{''.join(sections)}</body></html>\n"
     )
+
+
+def _models(models: dict[str, Any]) -> str:
+    """The model-based stages: what each model was trained on, how well it did, what it applied."""
+    if not models:
+        return ""
+    out = ["<h2>Model-based quality stages</h2>"]
+    c = models.get("classifier")
+    if c:
+        held = c.get("held_out", {})
+        out.append(
+            f"<h3>classifier</h3><p>{_esc(c['model'])}: held-out accuracy "
+            f"{held.get('accuracy', float('nan')):.1%} on {held.get('documents', 0):,} documents "
+            f"(positive {held.get('positive_accuracy', float('nan')):.1%}, negative "
+            f"{held.get('negative_accuracy', float('nan')):.1%}, at 0.5); trained on "
+            f"{c.get('positive_documents', 0):,} positive ({_esc(', '.join(c.get('positive', [])))})"
+            f" and {c.get('negative_documents', 0):,} negative "
+            f"({_esc(', '.join(c.get('negative', [])))}) documents; threshold applied "
+            f"{c['threshold']:.4f} (keep-fraction quantiles from "
+            f"{c.get('quantile_documents', 0):,} held-out negative documents). Examples: <a href='#kept'>kept</a>, "
+            f"<a href='#{_removed_anchor('classifier/classifier.low_score')}'>removed</a>.</p>"
+        )
+    p = models.get("perplexity")
+    if p:
+        out.append(
+            f"<h3>perplexity</h3><p>{_esc(p['model'])}: {p.get('order', '?')}-gram LM on "
+            f"{p.get('tokens', 0):,} reference tokens ({_esc(', '.join(p.get('reference', [])))})"
+            f"; head up to perplexity {p['head_cutoff']:.1f}, tail above {p['tail_cutoff']:.1f} "
+            f"(from {p.get('sample_documents', 0):,} sample documents); kept: "
+            f"{_esc(', '.join(p['keep']))}.</p>"
+        )
+    return "".join(out)
 
 
 def _format_issues(issues: dict[str, Any]) -> str:

@@ -72,13 +72,58 @@ def _read_digest(directory: Path) -> str | None:
         return None
 
 
+def model_files(cfg: PipelineConfig) -> list[str]:
+    """The lists and models the enabled per-document stages read."""
+    from kiln.data.pipeline.filter.bad_words import LIST_DIR, shipped_languages
+
+    q = cfg.quality
+    named = []
+    if q.c4.enabled and q.c4.bad_words_file:
+        named.append(q.c4.bad_words_file)
+    if cfg.bad_words.enabled:
+        if cfg.bad_words.words_file:
+            named.append(cfg.bad_words.words_file)
+        else:
+            langs = cfg.bad_words.languages or shipped_languages()
+            named.extend(str(LIST_DIR / f"{lang}.txt") for lang in langs)
+    if cfg.url_blocklist.enabled:
+        named.append(cfg.url_blocklist.file)
+    for stage in (q.classifier, q.perplexity):
+        if stage.enabled:
+            named.append(stage.model)
+    return named
+
+
+def model_summaries(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """What the report says of each model-based stage: its model's training record and the
+    threshold or cutoffs it applied."""
+    from kiln.data.pipeline.tasks import build_stages
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, stage in build_stages(cfg):
+        if name == "classifier":
+            info = {k: v for k, v in stage.model.info.items() if k != "negative_quantiles"}
+            out[name] = {"model": stage.config.model, "threshold": stage.threshold, **info}
+        elif name == "perplexity":
+            info = {k: v for k, v in stage.model.info.items() if k != "sample_quantiles"}
+            out[name] = {
+                "model": stage.config.model,
+                "head_cutoff": stage.head_cutoff,
+                "tail_cutoff": stage.tail_cutoff,
+                "keep": list(stage.config.keep),
+                "order": stage.model.order,
+                **info,
+            }
+    return out
+
+
 def run_digest(cfg: PipelineConfig) -> str:
     """The config's digest plus the contents of the files it names besides the inputs (the
-    tokenizer, evaluation sets, a bad-words list): replacing one at the same path is a change."""
+    tokenizer, evaluation sets, word lists, blocklists, quality models): replacing one at the
+    same path is a change."""
     parts = [cfg.digest()]
     named = [cfg.tokenize.tokenizer, *cfg.decontaminate.eval_files]
-    if cfg.quality.c4.bad_words_file:
-        named.append(cfg.quality.c4.bad_words_file)
+    named.extend(model_files(cfg))
     for path in named:
         parts.append(sha256_file(path) if os.path.isfile(path) else f"missing:{path}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -132,11 +177,14 @@ def _prepare(out: Path, partial: Path, cfg: PipelineConfig, force: bool) -> bool
 
 
 def _check_inputs(cfg: PipelineConfig) -> None:
-    """Every source matches files, and the tokenizer loads (evaluation files: at config load)."""
+    """Every source matches files, the tokenizer loads, and so does every stage's word list,
+    blocklist and model (evaluation files: at config load)."""
+    from kiln.data.pipeline.tasks import build_stages
     from kiln.data.tokenize_shards import load_tokenizer_entry
 
     expand_sources(cfg)
     load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+    build_stages(cfg)
 
 
 def _count_task(file: InputFile, spec_args: dict[str, Any], every: int, index: str) -> int:
@@ -357,6 +405,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         "output_samples": _merge_samples(tok_stats, cfg.removed_samples),
         "digest": run_digest(cfg),
         "warnings": warnings,
+        "models": model_summaries(cfg),
     }
     manifest = write_dataset(cfg, partial, work, docs, copies, stats, opts.progress)
     _install(partial, out)
@@ -396,7 +445,11 @@ def _merge_histograms(filter_stats: list[dict[str, Any]]) -> dict[str, dict[str,
     from kiln.data.pipeline.tasks import CHAR_BINS, SCORE_BINS
 
     merged: dict[str, dict[str, list[int]]] = {
-        "bins": {"log10_chars": CHAR_BINS.tolist(), "lang_score": SCORE_BINS.tolist()}
+        "bins": {
+            "log10_chars": CHAR_BINS.tolist(),
+            "lang_score": SCORE_BINS.tolist(),
+            "classifier_score": SCORE_BINS.tolist(),
+        }
     }
     for s in filter_stats:
         per = merged.setdefault(s["source"], {})

@@ -38,8 +38,16 @@ CHANGES = {
     "extract": ("extracted the main text of an HTML page", ()),
     "normalise": ("normalised Unicode and whitespace", ()),
     "c4": ("removed lines that break C4's line rules", ("c4_lines_removed",)),
-    "pii": ("redacted e-mail and IP addresses", ("pii",)),
+    "pii": ("redacted personal data (e-mail, IP, phone)", ("pii",)),
     "decontaminate": ("cut passages matching evaluation sets", ("decontam", "decontam_cuts")),
+}
+
+
+# Meta keys a removal record carries besides its score: what exactly made the stage remove it.
+EVIDENCE = {
+    "url_blocklist": ("url", "blocked_by"),
+    "bad_words": ("bad_word",),
+    "perplexity": ("perplexity_bucket",),
 }
 
 
@@ -88,23 +96,32 @@ def is_done(task_dir: Path) -> bool:
 @functools.lru_cache(maxsize=2)
 def build_stages(config: PipelineConfig) -> list[tuple[str, DocumentStage]]:
     """The enabled per-document stages, in pipeline order, built once per worker process."""
+    from kiln.data.pipeline.filter.bad_words import BadWordsFilter
     from kiln.data.pipeline.filter.language import LanguageFilter
     from kiln.data.pipeline.filter.normalise import Normalise
     from kiln.data.pipeline.filter.pii import PIIRedact
     from kiln.data.pipeline.filter.quality_c4 import C4Filter
+    from kiln.data.pipeline.filter.quality_classifier import ClassifierFilter
     from kiln.data.pipeline.filter.quality_fineweb import FineWebFilter
     from kiln.data.pipeline.filter.quality_gopher import GopherQuality, GopherRepetition
+    from kiln.data.pipeline.filter.quality_perplexity import PerplexityFilter
+    from kiln.data.pipeline.filter.url_blocklist import UrlBlocklist
     from kiln.data.pipeline.read.extract import Extract
 
     q = config.quality
     candidates: list[tuple[str, Any, Any]] = [
         ("extract", config.extract, Extract),
+        ("url_blocklist", config.url_blocklist, UrlBlocklist),
         ("normalise", config.normalise, Normalise),
         ("language", config.language, LanguageFilter),
+        ("bad_words", config.bad_words, BadWordsFilter),
         ("gopher_quality", q.gopher_quality, GopherQuality),
         ("gopher_repetition", q.gopher_repetition, GopherRepetition),
         ("c4", q.c4, C4Filter),
         ("fineweb", q.fineweb, FineWebFilter),
+        # The model-based stages are the slowest per document: they see only the survivors.
+        ("classifier", q.classifier, ClassifierFilter),
+        ("perplexity", q.perplexity, PerplexityFilter),
         ("pii", config.pii, PIIRedact),
     ]
     return [(name, cls(cfg)) for name, cfg, cls in candidates if cfg.enabled]
@@ -141,6 +158,12 @@ def _removal(doc: Document, stage: str, reason: str, excerpt: bool) -> dict[str,
         "stage": stage,
         "reason": reason,
     }
+    score = doc.meta.get("scores", {}).get(stage)
+    if score is not None:
+        record["score"] = score
+    for key in EVIDENCE.get(stage, ()):
+        if key in doc.meta:
+            record[key] = doc.meta[key]
     if excerpt:
         record["excerpt"] = doc.text[:EXCERPT_CHARS]
     return record
@@ -186,7 +209,7 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     changed_by: Counter[str] = Counter()
     removed: list[dict[str, Any]] = []
     kept: list[Document] = []
-    chars, scores = [], []
+    chars, scores, quality_scores = [], [], []
     n_records = n_documents = 0
     for ordinal, doc in enumerate(records, task.start):
         n_records += 1
@@ -206,6 +229,8 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
             reason = stage.apply(doc)
             if name == "language" and "lang_score" in doc.meta:
                 scores.append(float(doc.meta["lang_score"]))
+            if name == "classifier":
+                quality_scores.append(float(doc.meta["scores"]["classifier"]))
             if reason is not None:
                 reason_stage = (name, reason)
                 break
@@ -278,6 +303,7 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         "hist": {
             "log10_chars": _histogram(chars, CHAR_BINS),
             "lang_score": _histogram(scores, SCORE_BINS),
+            "classifier_score": _histogram(quality_scores, SCORE_BINS),
         },
     }
     write_json_atomic(task.dir / STATS, stats)  # the completion marker: written last

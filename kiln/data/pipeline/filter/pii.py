@@ -1,10 +1,19 @@
-"""PII: replace e-mail addresses and IP addresses with placeholders; never removes a document.
+"""PII: replace e-mail and IP addresses (and phone numbers) with placeholders; never removes a document.
 
 As in FineWeb (datatrove's `PIIFormatter`), only publicly routable IP addresses are replaced by
 default: private, loopback, link-local and documentation addresses (192.168.1.1, 127.0.0.1,
 10.0.0.0/8, 2001:db8::/32, ...) identify nobody and are what networking tutorials are made of.
 IPv4 needs four dot-separated octets of 0-255 without leading zeros, standing alone: `1.2.3`,
 `1.2.3.4.5` and `256.1.1.1` are not addresses. IPv6 candidates are validated by `ipaddress`.
+
+Phone numbers (off by default, as FineWeb has no phone rule; `phone = true`) are matched in
+three shapes, each standing alone (no digit, letter, `.`, `/` or `-` touching it): international,
+`+` and a 1-3 digit country code then groups of digits (8-15 digits in all, E.164's limit), e.g.
+`+44 20 7946 0958`, `+1 (555) 123-4567`, `+33 1 23 45 67 89`; North American `(555) 123-4567`,
+`555-123-4567`, `555.123.4567`; national numbers with a trunk 0 and separated groups (9-12
+digits), e.g. `020 7946 0958`, `030 1234 5678`, `01 23 45 67 89`, `07700 900123`. Dates
+(`05-12-2020` has 8 digits), years (`1990-2000`), version strings, prices and long digit runs
+without separators are not phone numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +37,14 @@ _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 # Not preceded by a digit, a dot or a letter, not followed by more digits or dotted numbers.
 _IPV4 = re.compile(rf"(?<![\w.]){_OCTET}(?:\.{_OCTET}){{3}}(?!\.?\d|\w)")
 _IPV4_CANDIDATE = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]")
+_SEP = r"[ .\-]?"
+_PHONE = re.compile(
+    r"(?<![\w.+/-])(?:"
+    r"\+\d{1,3}(?:[ .\-]?\(\d{1,4}\)|[ .\-]?\d{1,4}){2,6}"  # +CC, then groups
+    r"|\(\d{3}\)[ ]?\d{3}[ .\-]\d{4}|\d{3}([.\-])\d{3}\1\d{4}"  # North American
+    r"|0\d{1,4}(?:[ .\-]\d{2,4}){2,4}|0\d{1,4}[ \-]\d{5,8}"  # national, trunk 0
+    r")(?![\w]|[.\-/]\d)"
+)
 # Candidates only: hex groups with at least two colons; `ipaddress` decides.
 _IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
 
@@ -40,8 +57,10 @@ class PIIConfig:
     email: bool = True
     ip: bool = True
     public_ips_only: bool = True
+    phone: bool = False  # not in FineWeb's PIIFormatter; see the module docstring
     email_placeholder: str = "<EMAIL>"
     ip_placeholder: str = "<IP>"
+    phone_placeholder: str = "<PHONE>"
 
 
 class PIIRedact:
@@ -67,6 +86,23 @@ class PIIRedact:
                 ips += n
         return text, emails, ips
 
+    def redact_phones(self, text: str) -> tuple[str, int]:
+        """`text` with phone numbers replaced, and how many there were."""
+        count = 0
+        placeholder = self.config.phone_placeholder
+
+        def replace(match: re.Match[str]) -> str:
+            nonlocal count
+            found = match.group()
+            digits = sum(c.isdigit() for c in found)
+            low = 8 if found.startswith("+") else 9 if found.startswith("0") else 10
+            if not low <= digits <= 15:
+                return found
+            count += 1
+            return placeholder
+
+        return _PHONE.sub(replace, text), count
+
     def _replace_ips(self, pattern: re.Pattern[str], text: str) -> tuple[str, int]:
         count = 0
         public_only = self.config.public_ips_only
@@ -90,4 +126,6 @@ class PIIRedact:
         """Redact `doc.text`; record the counts in `doc.meta["pii"]`."""
         doc.text, emails, ips = self.redact(doc.text)
         doc.meta["pii"] = {"email": emails, "ip": ips}
+        if self.config.phone:
+            doc.text, doc.meta["pii"]["phone"] = self.redact_phones(doc.text)
         return None

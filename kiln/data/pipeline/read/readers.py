@@ -10,7 +10,8 @@ independently: each issue is reported by exactly one range, so merged reports co
 Readers leave `Document.id` and `Document.source` empty (the runner names documents) unless an
 `id_field` is given. `meta` holds `file`, `ordinal`, and `line` (1-based, where the record's text
 starts) for the line-based formats; HTML and WARC records carry `content_type = "html"` so the
-Extract stage runs on them, and WARC records add `url` and `warc_record_id`.
+Extract stage runs on them, and WARC records add `url` and `warc_record_id` (jsonl records
+with a string `url` field add it too).
 """
 
 from __future__ import annotations
@@ -365,6 +366,9 @@ def _make_document(
     meta: dict[str, Any] = {"file": path, "ordinal": ordinal}
     if line is not None:
         meta["line"] = line
+    url = record.get("url") if record is not None else None
+    if isinstance(url, str) and url:
+        meta["url"] = url  # as WARC records carry theirs, for the URL blocklist
     return Document(doc_id, text, "", meta)
 
 

@@ -105,3 +105,55 @@ def test_stage_pickles() -> None:
 
     again = pickle.loads(pickle.dumps(STAGE))
     assert redact("x 8.8.8.8 a.b@example.com", again) == redact("x 8.8.8.8 a.b@example.com")
+
+
+PHONES = PIIRedact(PIIConfig(phone=True, phone_placeholder="[tel]"))
+
+
+@pytest.mark.parametrize(
+    "number",
+    [
+        "+44 20 7946 0958",
+        "+1 (555) 123-4567",
+        "+33 1 23 45 67 89",
+        "+49 30 12345678",
+        "+8613812345678",
+        "(555) 123-4567",
+        "555-123-4567",
+        "555.123.4567",
+        "020 7946 0958",
+        "030 1234 5678",
+        "01 23 45 67 89",
+        "07700 900123",
+        "0171-1234567",
+    ],
+)
+def test_phone_numbers_are_replaced_with_the_configured_token(number: str) -> None:
+    out, counts = redact(f"Call {number}. Or mail a@example.com", PHONES)
+    assert out == "Call [tel]. Or mail <EMAIL>"
+    assert counts == {"email": 1, "ip": 0, "phone": 1}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "05-12-2020",
+        "2020-01-15",
+        "1990-2000",
+        "ISBN 978-3-16-148410-0",
+        "version 1.2.3 and v10.0.19041",
+        "$1,234,567",
+        "call 911",
+        "12:30:45",
+        "123-45-6789",
+        "id 1234567890123",
+        "pi is 3.14159265358979",
+        "+5 points",
+    ],
+)
+def test_phone_look_alikes_are_left_alone(text: str) -> None:
+    assert redact(text, PHONES) == (text, {"email": 0, "ip": 0, "phone": 0})
+
+
+def test_phones_are_off_by_default_and_counts_keep_their_shape() -> None:
+    assert redact("Call 555-123-4567.") == ("Call 555-123-4567.", {"email": 0, "ip": 0})
