@@ -29,7 +29,7 @@ def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
 LAYERS = [
     {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting"},
     {"tokenizer", "kernels"},
-    {"chat", "data", "model", "quant"},
+    {"chat", "data", "model", "quant", "image"},
     {"train"},
     {"loading"},
     {"serve"},
