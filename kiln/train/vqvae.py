@@ -249,7 +249,11 @@ class VQVAERun:
         from tqdm import tqdm
 
         interrupted: list[int] = []
-        previous = signal.signal(signal.SIGTERM, lambda s, f: interrupted.append(s))
+        # Ctrl-C and SIGTERM end the loop between steps (never inside an update), then it saves.
+        previous = {
+            sig: signal.signal(sig, lambda s, f: interrupted.append(s))
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not progress, unit="step")
         start, start_step = time.perf_counter(), self.step
         try:
@@ -268,11 +272,10 @@ class VQVAERun:
                     )
                 if self.step % self.cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
                     self.save()
-        except KeyboardInterrupt:
-            interrupted.append(signal.SIGINT)
         finally:
             bar.close()
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         self.save()
         if interrupted:
             raise KilnError(

@@ -108,3 +108,23 @@ def test_training_lowers_the_reconstruction_error(scenes: Path, tmp_path: Path) 
     after = run.evaluate()
     assert after["val_psnr"] > before["val_psnr"] + 2, (before, after)
     assert after["val_codes_used"] > before["val_codes_used"]  # restarts revived codes
+
+
+def test_a_signal_stops_between_steps_and_saves(scenes: Path, tmp_path: Path, monkeypatch) -> None:
+    import os
+    import signal
+
+    run = VQVAERun(_cfg(scenes, tmp_path / "r", "train.max_steps=6", "checkpoint.every=100"))
+    step = run.train_step
+
+    def step_then_signal() -> dict[str, float]:
+        out = step()
+        if run.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(run, "train_step", step_then_signal)
+    with pytest.raises(KilnError, match=r"stopped at step 2; saved .* --resume"):
+        run.run(progress=False)
+    assert (tmp_path / "r/checkpoints/latest").read_text().strip() == "step_2"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
