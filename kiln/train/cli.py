@@ -347,6 +347,8 @@ def _register_image(sub: Any) -> None:
     """Add `kiln image train-vqvae` to the `kiln image` group (kiln/image/cli.py made it)."""
     from kiln.commands import add_subcommand, command_group
 
+    if "image" not in sub.choices:  # a parser of kiln.train's commands alone (as in its tests)
+        return
     p = add_subcommand(
         command_group(sub, "image"), "train-vqvae", "train a VQ-VAE on an image dataset",
         VQVAE_EXAMPLES,
