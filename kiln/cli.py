@@ -18,6 +18,7 @@ from kiln.errors import KilnError
 _COMMAND_MODULES: list[str] = [
     "kiln.tokenizer.cli",
     "kiln.data.cli",
+    "kiln.image.cli",  # before kiln.train.cli, which adds `kiln image train-vqvae`
     "kiln.train.cli",
     "kiln.loading.cli",
     "kiln.posttrain.cli",

@@ -26,7 +26,8 @@ COMMANDS = dict(walk(build_parser()))
 def test_the_tree_holds_every_documented_command() -> None:
     names = {" ".join(path) for path in COMMANDS}
     for expected in ("sample", "demo", "train", "eval", "export", "plot", "tokenizer train",
-                     "data run", "data tokenize", "scaling account"):  # fmt: skip
+                     "data run", "data tokenize", "scaling account", "image data",
+                     "image train-vqvae"):  # fmt: skip
         assert expected in names
 
 

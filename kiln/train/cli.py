@@ -42,6 +42,7 @@ def register(sub: Any) -> None:
     )
     p.set_defaults(handler=run_train)
     _register_plot(sub)
+    _register_image(sub)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, config_help: str, example: str) -> None:
@@ -259,3 +260,44 @@ def _checkpoint_note(result: Any, trainer: Any) -> str:
 def _set_args(assignments: list[str]) -> list[str]:
     """The --set arguments again, to repeat them in the resume command."""
     return [part for a in assignments for part in ("--set", a)]
+
+
+VQVAE_EXAMPLES = """examples:
+  kiln image train-vqvae configs/vqvae_32.toml
+  kiln image train-vqvae configs/vqvae_32.toml --set train.max_steps=300 --set run_dir=runs/vq
+  kiln image train-vqvae configs/vqvae_32.toml --resume       # continue from its latest"""
+
+
+def _register_image(sub: Any) -> None:
+    """Add `kiln image train-vqvae` to the `kiln image` group (kiln/image/cli.py made it)."""
+    from kiln.commands import add_subcommand, command_group
+
+    if "image" not in sub.choices:  # a parser of kiln.train's commands alone (as in its tests)
+        return
+    p = add_subcommand(
+        command_group(sub, "image"), "train-vqvae", "train a VQ-VAE on an image dataset",
+        VQVAE_EXAMPLES,
+    )  # fmt: skip
+    p.description = (
+        "Train the VQ-VAE of kiln.image on a dataset from `kiln image data`, as a TOML config\n"
+        "describes. The run folder gets config.toml, metrics.jsonl (loss, perplexity, codes,\n"
+        "PSNR on the eval splits), checkpoints/, eval.json and report/reconstructions.png."
+    )
+    add_run_arguments(p, "VQ-VAE run config (see configs/vqvae_32.toml)", "model.codebook_size=512")
+    p.set_defaults(handler=run_train_vqvae)
+
+
+def run_train_vqvae(args: argparse.Namespace) -> int:
+    """Train (or resume) a VQ-VAE run and print its final evaluation."""
+    from kiln.train.vqvae import VQVAERun, VQVAETrainConfig
+
+    cfg = VQVAETrainConfig.load(args.config, args.set)
+    run = VQVAERun(cfg, resume=args.resume)
+    for note in run.notes:
+        print(note)
+    final = run.run(progress=not args.no_progress)
+    split = run.eval_splits[-1] if run.eval_splits else cfg.data.train_split
+    picture = run.reconstruction_grid(Path(cfg.run_dir) / "report" / "reconstructions.png", split)
+    shown = ", ".join(f"{k} {v}" for k, v in final.items() if k != "step")
+    print(f"step {final['step']}: {shown or 'no eval split'}; {picture}")
+    return 0

@@ -1,0 +1,1 @@
+"""The multimodal chapter: procedural scene data, image datasets and the VQ-VAE."""
