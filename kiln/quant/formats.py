@@ -212,7 +212,7 @@ def quantize_fp8(w: Tensor, fmt: str = "e4m3", scaling: str = "tensor") -> Encod
     Np = -(-N // rows) * rows
     b = torch.nn.functional.pad(b, (0, 0, 0, 0, 0, Np - N)).reshape(Np // rows, rows, -1, FP8_BLOCK)
     scale = (b.abs().amax(dim=(1, 3)) / f.max_normal).clamp(min=tiny)  # (N/rows, G)
-    codes = encode(b / scale[:, None, :, None], f).reshape(Np, -1)[:N, :K]  # padding dropped
+    codes = encode(b / scale[:, None, :, None], f).reshape(Np, -1)[:N, :K].clone()  # no padding
     return Encoded("fp8", (N, K), codes, scale, None, fmt, scaling)
 
 
