@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
-from kiln.quant.formats import E4M3, E5M2
+from kiln.quant import formats
+from kiln.quant.formats import E4M3, E5M2, Minifloat
 from kiln.quant.fp8_train import Fp8TrainLinear, convert_for_fp8_training, qdq
 from tests.fixtures import single_torch_thread
 from tests.quant.test_quantize import tiny_model
@@ -33,6 +34,16 @@ def test_forward_and_gradients_are_matmuls_of_fp8_rounded_operands() -> None:
     assert torch.allclose(x.grad, gq @ wq, atol=1e-8)
     assert torch.allclose(linear.weight.grad, gq.reshape(-1, 48).T @ xq.reshape(-1, 128), atol=1e-6)
     assert torch.allclose(linear.bias.grad, gy.sum((0, 1)), atol=1e-8)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_the_per_tensor_fast_path_equals_the_exact_codec(fmt: Minifloat) -> None:
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 50
+    for amax in (None, torch.tensor(1.0)):  # 1.0: a delayed scale far too small, so saturation
+        a = x.abs().amax() if amax is None else amax
+        scale = a / fmt.max_normal
+        want = formats.decode(formats.encode(x / scale, fmt), fmt) * scale
+        assert torch.equal(qdq(x, fmt, "tensor", amax), want)
 
 
 def test_blockwise_rounds_activations_per_1x128_and_weights_per_tile() -> None:
