@@ -2,7 +2,8 @@
 
 For each variant: bits per byte of TinyStories valid (`kiln eval --bpb`'s code; the first
 --max-bytes of it when given), the model's bytes (parameters and buffers, each storage once) and
-the bits per weight of the quantized linear layers (codes + scales). All variants score the same
+the bits per weight of the quantized linear layers (codes + scales), and their weights' relative
+error ||W_q - W|| / ||W|| (all quantized layers together). All variants score the same
 text, so their differences are paired; timings are not reported (the float formats are emulated:
 dequantize, then an fp32 matmul).
 
@@ -50,17 +51,25 @@ VARIANTS: dict[str, tuple[str | None, int, str, str]] = {
 }
 
 
-def build(base: torch.nn.Module, spec: tuple[str | None, int, str, str]) -> tuple[Any, float]:
-    """A quantized copy of base (or base) and the bits per weight of its quantized layers."""
+def build(
+    base: torch.nn.Module, spec: tuple[str | None, int, str, str]
+) -> tuple[Any, float, float]:
+    """A quantized copy of base (or base), its layers' bits per weight and weight error."""
     mode, group, fmt, scaling = spec
     if mode is None:
-        return base, 32.0
+        return base, 32.0, 0.0
     model = copy.deepcopy(base)
     kw = {"fp8_format": fmt, "fp8_scaling": scaling} if mode == "fp8" else {}
     quantize_model(model, mode, group or 64, False, kernel="dequant", **kw)
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear | LowPrecLinear)]
-    stored = sum(b.untyped_storage().nbytes() for m in layers for b in m.buffers())
-    return model, 8 * stored / sum(m.in_features * m.out_features for m in layers)
+    named = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear | LowPrecLinear)
+    ]
+    stored = sum(b.untyped_storage().nbytes() for _, m in named for b in m.buffers())
+    bits = 8 * stored / sum(m.in_features * m.out_features for _, m in named)
+    # ||W_q - W|| / ||W|| over all quantized layers together
+    num = sum(float((m.weight - base.get_submodule(n).weight).pow(2).sum()) for n, m in named)
+    den = sum(float(base.get_submodule(n).weight.pow(2).sum()) for n, _ in named)
+    return model, bits, (num / den) ** 0.5
 
 
 def text_file(path: Path, max_bytes: int | None) -> tuple[Path, Any]:
@@ -93,12 +102,12 @@ def main() -> int:
     rows: dict[str, dict[str, Any]] = {}
     try:
         for name, spec in VARIANTS.items():
-            model, bits = build(base, spec)
+            model, bits, weight_err = build(base, spec)
             started = time.perf_counter()
             scored = bits_per_byte(Scorer(model, 16, False), loaded.tokenizer, text, loaded.eot_id)
             rows[name] = {
                 "bpb": scored.bits_per_byte, "loss": scored.loss, "tokens": scored.n_tokens,
-                "bytes": model_bytes(model), "bits_per_weight": bits,
+                "bytes": model_bytes(model), "bits_per_weight": bits, "weight_rel_err": weight_err,
                 "score_s": time.perf_counter() - started,
             }  # fmt: skip
             print(name, json.dumps(rows[name]), flush=True)
@@ -118,13 +127,14 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
     """The RESULTS.md table: quality and bytes of each variant beside fp32."""
     ref = rows["fp32"]
     print(
-        "\n| weights | bpb | Δ bpb vs fp32 | val loss | bits/weight (linear layers) | MB | × fp32 bytes |"
+        "\n| weights | bpb | Δ bpb vs fp32 | loss (nats/token) | weight rel. error | "
+        "bits/weight (linear layers) | MB | × fp32 bytes |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['bpb']:.4f} | {(r['bpb'] / ref['bpb'] - 1) * 100:+.2f}% | "
-            f"{r['loss']:.4f} | {r['bits_per_weight']:.2f} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['loss']:.4f} | {r['weight_rel_err']:.4f} | {r['bits_per_weight']:.2f} | {r['bytes'] / 1e6:.2f} | "
             f"{r['bytes'] / ref['bytes']:.3f} |"
         )
 
