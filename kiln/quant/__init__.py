@@ -1,1 +1,1 @@
-"""Weight formats and transforms applied to a loaded model: int8/int4 weight-only quantization."""
+"""Weight formats and transforms: int8/int4 weights, fp8 / MXFP8 / MXFP4 / NVFP4 (emulated), fp8 training matmuls."""

@@ -1,4 +1,5 @@
-"""Weight-only quantization of a loaded model: int8 per output channel, int4 in groups.
+"""Weight-only quantization of a loaded model: int8 per output channel, int4 in groups, and the
+low-precision float formats fp8 / MXFP8 / MXFP4 / NVFP4 (`kiln.quant.lowprec`, emulated).
 
 `quantize_model(model, mode, group_size, include_head)` replaces the model's `nn.Linear` layers
 in place by `QuantizedLinear`, which holds integer weights and computes `x @ dequant(W)ᵀ`.
@@ -30,6 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.errors import KilnError
+from kiln.quant.formats import FP8_FORMATS, FP8_SCALINGS, pack_nibbles, unpack_nibbles
+from kiln.quant.lowprec import (
+    DEFAULT_FP8_FORMAT,
+    DEFAULT_FP8_SCALING,
+    LOWPREC_MODES,
+    LowPrecLinear,
+    describe_format,
+)
 from kiln.quant.modes import DEFAULT_GROUP_SIZE, GROUP_SIZES, MODES
 
 KERNELS = ("auto", "torch", "dequant")
@@ -81,16 +90,6 @@ def dequantize_int4(
     groups = codes.reshape(N, K // group_size, group_size).to(torch.float32) - 8  # (N, G, g)
     w = groups * scale[..., None] + zero[..., None]
     return w.reshape(N, K).to(dtype)
-
-
-def pack_nibbles(codes: Tensor) -> Tensor:
-    """Two 4-bit codes per byte: (N, K) uint8 in 0..15 -> (N, K/2) uint8, even index high."""
-    return (codes[:, 0::2] << 4) | codes[:, 1::2]
-
-
-def unpack_nibbles(packed: Tensor) -> Tensor:
-    """The inverse of `pack_nibbles`: (N, K/2) uint8 -> (N, K) uint8 codes."""
-    return torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(packed.size(0), -1)
 
 
 class QuantizedLinear(nn.Module):
@@ -269,10 +268,15 @@ class QuantReport:
     bytes_before: int = 0
     bytes_after: int = 0
     head: str = "fp32"  # "fp32", "quantized", or "quantized copy (tied embedding kept fp32)"
+    fp8_format: str | None = None  # fp8 only
+    fp8_scaling: str | None = None  # fp8 only
 
     def describe(self) -> str:
         """One line for a command's start-up output."""
         group = f" (group {self.group_size})" if self.group_size else " (per output channel)"
+        if self.mode in LOWPREC_MODES:
+            fmt = describe_format(self.mode, self.fp8_format or "", self.fp8_scaling or "")
+            group = f" ({fmt})"
         paths = ", ".join(f"{n} by {_PATH_NAMES[self.mode][p]}" for p, n in self.paths.items())
         note = f"; fallback because: {self.kernel_notes[0]}" if self.kernel_notes else ""
         probe = ""
@@ -290,6 +294,7 @@ class QuantReport:
             "mode": self.mode, "group_size": self.group_size, "include_head": self.include_head,
             "layers": self.layers, "paths": dict(self.paths), "head": self.head,
             "probe_s": dict(self.probe_s), "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+            "fp8_format": self.fp8_format, "fp8_scaling": self.fp8_scaling,
         }  # fmt: skip
 
 
@@ -302,6 +307,7 @@ _PATH_NAMES = {
         "torch": "torch _weight_int4pack_mm (bf16 activations)",
         "dequant": "dequantize-matmul",
     },
+    **{m: {"dequant": "dequantize-matmul (emulated format)"} for m in LOWPREC_MODES},
 }
 
 
@@ -313,6 +319,8 @@ def quantize_model(
     *,
     kernel: str = "auto",
     probe_dtype: torch.dtype = torch.float32,
+    fp8_format: str = DEFAULT_FP8_FORMAT,
+    fp8_scaling: str = DEFAULT_FP8_SCALING,
 ) -> QuantReport:
     """Quantize the model's linear layers in place (the head only if include_head); the report.
 
@@ -320,9 +328,11 @@ def quantize_model(
     With int8 and kernel "auto", torch's kernel is kept only where a timed probe (activations
     in `probe_dtype`, the dtype the model will run in) finds it faster than dequantize-matmul:
     on some CPUs the bf16-activation kernel is slower than plain fp32 matmuls.
+    fp8_format (e4m3, e5m2) and fp8_scaling (tensor, 1x128, 128x128) apply to mode "fp8".
     """
     _check_mode(mode, group_size, kernel)
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+    _check_lowprec(mode, kernel, fp8_format, fp8_scaling)
+    if any(isinstance(m, (QuantizedLinear, LowPrecLinear)) for m in model.modules()):
         raise KilnError("the model is already quantized")
     head = getattr(model, "lm_head", None)
     targets = [
@@ -333,12 +343,21 @@ def quantize_model(
     if mode == "int4":
         for name, m in targets:
             _check_group(m.in_features, group_size, name)
+    for name, m in targets:
+        if mode in LOWPREC_MODES and not bool(torch.isfinite(m.weight).all()):
+            raise KilnError(f"quantize {mode}: {name}'s weight holds inf or NaN")
     report = QuantReport(mode, group_size if mode == "int4" else None, include_head)
+    if mode == "fp8":
+        report.fp8_format, report.fp8_scaling = fp8_format, fp8_scaling
     report.bytes_before = model_bytes(model)
     tied = head is not None and head.weight is getattr(getattr(model, "wte", None), "weight", None)
     layers = []
     for name, linear in targets:
-        layer = QuantizedLinear(linear, mode, group_size, kernel)
+        layer: QuantizedLinear | LowPrecLinear
+        if mode in LOWPREC_MODES:
+            layer = LowPrecLinear(linear, mode, fp8_format, fp8_scaling)
+        else:
+            layer = QuantizedLinear(linear, mode, group_size, kernel)
         _set_submodule(model, name, layer)
         layers.append((name, layer))
     if mode == "int8" and kernel == "auto":
@@ -406,6 +425,21 @@ def _check_mode(mode: str, group_size: int, kernel: str) -> None:
         )
     if kernel not in KERNELS:
         raise KilnError(f"quantize kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
+def _check_lowprec(mode: str, kernel: str, fp8_format: str, fp8_scaling: str) -> None:
+    """Clear errors for fp8 settings and for a native kernel the float formats lack."""
+    if fp8_format not in FP8_FORMATS:
+        raise KilnError(f"fp8 format must be one of {', '.join(FP8_FORMATS)}, got {fp8_format!r}")
+    if fp8_scaling not in FP8_SCALINGS:
+        raise KilnError(
+            f"fp8 scaling must be one of {', '.join(FP8_SCALINGS)}, got {fp8_scaling!r}"
+        )
+    if mode in LOWPREC_MODES and kernel == "torch":
+        raise KilnError(
+            f"quantize kernel 'torch': kiln has no native {mode} kernel (it emulates the format: "
+            "dequantize, then the matmul); use kernel 'auto' or 'dequant'"
+        )
 
 
 def _check_group(in_features: int, group_size: int, where: str) -> None:

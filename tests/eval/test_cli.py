@@ -190,14 +190,17 @@ def test_eval_quantize_scores_the_quantized_model_and_records_it(
     text.write_text("Lily and Tom went to the park. They played on the swings all day.\n")
     args = ["eval", str(hf_dir), "--bpb", str(text), "--dtype", "fp32", "--no-progress"]
     docs = {}
-    for mode in ("fp32", "int8"):
+    for mode in ("fp32", "int8", "fp8"):
         out = tmp_path / f"{mode}.json"
-        extra = [] if mode == "fp32" else ["--quantize", "int8"]
+        extra = [] if mode == "fp32" else ["--quantize", mode]
         code, _, err = run(capsys, *args, *extra, "--out", str(out))
         assert code == 0, err
         docs[mode] = json.loads(out.read_text())
-    assert "kiln eval: quantize int8 (per output channel)" in err
+    assert "kiln eval: quantize fp8 (e4m3, 128x128 tiles)" in err
     assert docs["fp32"]["settings"]["quantize"] is None
     assert docs["int8"]["settings"]["quantize"]["mode"] == "int8"
     bpb = {mode: doc["bpb"]["bits_per_byte"] for mode, doc in docs.items()}
     assert bpb["int8"] != bpb["fp32"] and bpb["int8"] == pytest.approx(bpb["fp32"], rel=0.02)
+    fp8 = docs["fp8"]["settings"]["quantize"]
+    assert (fp8["mode"], fp8["fp8_format"], fp8["fp8_scaling"]) == ("fp8", "e4m3", "128x128")
+    assert bpb["fp8"] != bpb["fp32"] and bpb["fp8"] == pytest.approx(bpb["fp32"], rel=0.05)

@@ -252,7 +252,10 @@ def test_a_tied_head_is_quantized_as_a_copy_only_when_asked() -> None:
 def test_bad_settings_fail_clearly_and_leave_the_model_untouched() -> None:
     model = tiny_model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(KilnError, match=r"quantize mode must be one of int8, int4, got 'int3'"):
+    with pytest.raises(
+        KilnError,
+        match=r"quantize mode must be one of int8, int4, fp8, mxfp8, mxfp4, nvfp4, got 'int3'",
+    ):
         quantize_model(model, "int3")
     with pytest.raises(KilnError, match=r"int4 group size must be one of 32, 64, 128, got 48"):
         quantize_model(model, "int4", 48)

@@ -1,0 +1,134 @@
+"""fp8 training matmuls, emulated: quantize → dequantize around each linear layer's matmuls.
+
+`convert_for_fp8_training(model, recipe)` swaps the model's `nn.Linear` layers (the head only if
+asked) for `Fp8TrainLinear`, which keeps the fp32 master weight and, in every forward and
+backward, rounds the matmul operands to fp8 with `kiln.quant.formats` (exact casts, saturating)
+before an ordinary fp32/bf16 matmul. On a CPU that is what fp8 training can be: the numbers of
+fp8, not its speed. Recipes:
+
+- "tensor": dynamic per-tensor scales (amax of the tensor now): activations and weights e4m3,
+  gradients of the output e5m2 (the range they need) — the classic FP8-LM / Transformer Engine
+  recipe without delayed scaling.
+- "delayed": as "tensor", but each scale comes from the max amax over the last 16 steps
+  (Transformer Engine's delayed scaling); a value above it saturates.
+- "blockwise": DeepSeek-V3's fine-grained scaling: activations and output gradients per 1×128
+  block of their inputs, weights per 128×128 tile, everything e4m3.
+
+Simplifications against the papers, on purpose: the weight-gradient matmul reuses the forward's
+quantized operands (DeepSeek-V3 re-tiles them along the other dimension), and the optimizer,
+master weights and the rest of the model (norms, attention scores) stay in fp32/bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kiln.errors import KilnError
+from kiln.quant import formats
+from kiln.quant.formats import E4M3, E5M2, Minifloat
+
+RECIPES = ("tensor", "delayed", "blockwise")
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+AMAX_HISTORY = 16
+
+
+def qdq(x: Tensor, fmt: Minifloat, scaling: str, amax: Tensor | None = None) -> Tensor:
+    """x (..., K) rounded through fp8 and back: per tensor (scale from amax if given) or per block."""
+    shape = x.shape
+    x2 = x.detach().float().reshape(-1, shape[-1])
+    if scaling == "tensor":
+        a = x2.abs().amax() if amax is None else amax
+        scale = (a / fmt.max_normal).clamp(min=torch.finfo(torch.float32).tiny)
+        # torch's own cast is bit-identical to formats.encode in range (tests/quant/test_formats)
+        # and much faster; the clamp gives e5m2 the saturation torch's e5m2 cast lacks.
+        y = (x2 / scale).clamp(-fmt.max_normal, fmt.max_normal)
+        out = y.to(TORCH_FP8[fmt.name]).float() * scale
+    else:
+        out = formats.quantize_fp8(x2, fmt.name, scaling).decode()
+    return out.reshape(shape).to(x.dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = qdq(x) @ qdq(w)ᵀ; dx = qdq(dy) @ qdq(w), dw = qdq(dy)ᵀ @ qdq(x)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, layer: Fp8TrainLinear) -> Tensor:  # type: ignore[override]
+        """The forward matmul on fp8-rounded operands."""
+        xq = layer.round(x, "x", E4M3, layer.act_scaling)
+        wq = layer.round(w, "w", E4M3, layer.weight_scaling)
+        ctx.save_for_backward(xq, wq)
+        ctx.layer = layer
+        return xq @ wq.to(xq.dtype).T
+
+    @staticmethod
+    def backward(ctx, gy: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        """Both gradient matmuls on the fp8-rounded output gradient."""
+        xq, wq = ctx.saved_tensors
+        layer: Fp8TrainLinear = ctx.layer
+        fmt = E4M3 if layer.recipe == "blockwise" else E5M2
+        gq = layer.round(gy, "g", fmt, layer.act_scaling)
+        gx = gq @ wq.to(gq.dtype)
+        gw = gq.reshape(-1, gq.size(-1)).T.float() @ xq.reshape(-1, xq.size(-1)).float()
+        return gx, gw.to(wq.dtype), None
+
+
+class Fp8TrainLinear(nn.Linear):
+    """An `nn.Linear` whose matmuls see fp8-rounded operands (emulated); the weight stays fp32."""
+
+    def __init__(self, linear: nn.Linear, recipe: str) -> None:
+        if recipe not in RECIPES:
+            raise KilnError(
+                f"fp8 training recipe must be one of {', '.join(RECIPES)}, got {recipe!r}"
+            )
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None)
+        self.weight, self.bias = linear.weight, linear.bias  # the same parameters (ties kept)
+        self.recipe = recipe
+        self.act_scaling = "1x128" if recipe == "blockwise" else "tensor"
+        self.weight_scaling = "128x128" if recipe == "blockwise" else "tensor"
+        for name in ("x", "w", "g"):  # delayed scaling: the last AMAX_HISTORY amaxes
+            self.register_buffer(f"amax_{name}", torch.zeros(AMAX_HISTORY), persistent=False)
+        self.register_buffer("amax_seen", torch.zeros(3, dtype=torch.long), persistent=False)
+
+    def round(self, t: Tensor, which: str, fmt: Minifloat, scaling: str) -> Tensor:
+        """t through fp8, with this layer's recipe (delayed scales kept per operand)."""
+        if self.recipe != "delayed":
+            return qdq(t, fmt, scaling)
+        history = getattr(self, f"amax_{which}")
+        slot = "xwg".index(which)
+        now = t.detach().abs().amax().float()
+        seen = int(self.amax_seen[slot])
+        amax = now if seen == 0 else history[: min(seen, AMAX_HISTORY)].max()
+        out = qdq(t, fmt, "tensor", amax)
+        history[seen % AMAX_HISTORY] = now
+        self.amax_seen[slot] += 1
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., K) -> (..., N) through the emulated fp8 matmul."""
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Fp8Matmul.apply(x, self.weight, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        """Shown by print(model)."""
+        return f"{super().extra_repr()}, fp8={self.recipe} (emulated)"
+
+
+def convert_for_fp8_training(model: nn.Module, recipe: str, include_head: bool = False) -> int:
+    """Swap the model's linear layers for `Fp8TrainLinear` in place; how many were swapped."""
+    if recipe not in RECIPES:
+        raise KilnError(f"fp8 training recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    head = getattr(model, "lm_head", None)
+    targets = [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and (include_head or m is not head)
+    ]
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8TrainLinear(getattr(parent, child), recipe))
+    return len(targets)
