@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln import checkpoint_format as fmt
 from kiln import config as cfgio
 from kiln.config import require
 from kiln.errors import KilnError
@@ -136,7 +137,7 @@ class VQVAERun:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.step, self.epoch, self.position, self.images_seen = 0, 0, 0, 0
         self._lock = lock_folder(self.run_dir, "kiln image train-vqvae", "run folder")
-        saved = ckpt.resume_checkpoint(self.checkpoints)
+        saved = fmt.resume_checkpoint(self.checkpoints)
         if saved is not None and not resume:
             raise KilnError(
                 f"{self.checkpoints} already holds checkpoints; pass --resume to continue that "
@@ -152,10 +153,10 @@ class VQVAERun:
             handle.write(cfgio.to_toml(cfg.to_dict(), "kiln image train-vqvae: resolved config"))
 
     def _resume(self, path: Path) -> None:
-        state = ckpt.read_state(path)
+        state = fmt.read_state(path)
         fixed = {k: v for k, v in self.cfg.to_dict().items() if k in ("model", "data")}
         saved = {k: v for k, v in state["config"].items() if k in ("model", "data")}
-        changed = ckpt.config_differences(saved, fixed)
+        changed = fmt.config_differences(saved, fixed)
         if state.get("dataset") != self.data.fingerprint():
             changed.append("the dataset's contents")
         if changed:
