@@ -131,8 +131,14 @@ def weights_file(path: str | Path) -> Path:
     return find_checkpoint(path) / "model.safetensors"
 
 
-def check_same_tokenizer(teacher: LoadedModel, where: str, data: TokenShards) -> None:
-    """Refuse a teacher whose tokenizer or vocabulary is not the dataset's, naming both."""
+def check_same_tokenizer(
+    teacher: LoadedModel,
+    where: str,
+    data: TokenShards,
+    role: str = "distill.teacher",
+    data_role: str = "data.dataset",
+) -> None:
+    """Refuse a model whose tokenizer or vocabulary is not the dataset's, naming both."""
     from kiln.tokenizer.formats import read_any
 
     entry, root = data.dataset.manifest.tokenizer, data.dataset.root
@@ -148,10 +154,10 @@ def check_same_tokenizer(teacher: LoadedModel, where: str, data: TokenShards) ->
         )
     if not same or teacher.model.cfg.vocab_size != data.vocab_size:
         raise KilnError(
-            f"distill.teacher {where} (tokenizer {teacher.tokenizer_path}, {tok.n_vocab} tokens, "
-            f"model vocab {teacher.model.cfg.vocab_size}) does not match data.dataset {root} "
-            f"(tokenizer {data_path or entry.path}, vocab {data.vocab_size}): the teacher and "
-            "the student need the same tokenizer"
+            f"{role} {where} (tokenizer {teacher.tokenizer_path}, {tok.n_vocab} tokens, "
+            f"model vocab {teacher.model.cfg.vocab_size}) does not match {data_role} {root} "
+            f"(tokenizer {data_path or entry.path}, vocab {data.vocab_size}): they need the "
+            "same tokenizer"
         )
 
 
@@ -183,7 +189,7 @@ def prepare(cfg: DistillConfig) -> tuple[DistillConfig, TeacherShards, Transform
     model, prepare_model = cfg.model, None
     if s.student:
         student = load_model(s.student, device="cpu", dtype="fp32")
-        check_same_tokenizer(student, s.student, data)
+        check_same_tokenizer(student, s.student, data, "distill.student")
         w = weights_file(s.student)
         section = dataclasses.replace(
             section, student_weights=str(w), student_sha256=sha256_file(w)
