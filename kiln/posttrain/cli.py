@@ -204,7 +204,7 @@ def run_sft(args: argparse.Namespace) -> int:
 DISTILL_EXAMPLES = """examples:
   kiln distill configs/distill.toml --set distill.teacher=runs/demo --set data.dataset=data/stories
   kiln distill configs/distill.toml --set distill.loss=reverse_kl --set distill.ce_weight=0.5
-  kiln distill configs/distill.toml --set distill.student=runs/pruned   # heal a pruned model
+  kiln distill configs/heal.toml --set distill.student=runs/pruned   # heal a pruned model
   kiln distill configs/distill.toml --resume"""
 
 
@@ -238,7 +238,7 @@ def run_distill(args: argparse.Namespace) -> int:
 PRUNE_EXAMPLES = """examples:
   kiln prune runs/demo runs/pruned --n-layer 3 --n-embd 192 --d-ff 448
   kiln prune runs/demo runs/pruned --n-head 2 --data data/tinystories --batches 16 --force
-  kiln distill configs/distill.toml --set distill.teacher=runs/demo \\
+  kiln distill configs/heal.toml --set distill.teacher=runs/demo \\
       --set distill.student=runs/pruned                       # then heal it (Minitron)
 
 Ranks attention heads (whole GQA groups with --n-kv-head; query heads within each group with
