@@ -138,7 +138,7 @@ def main() -> int:
     teacher = args.out / "teacher"
     if not (teacher / "checkpoints" / "latest").exists():
         record("teacher", train(teacher, [*data, *width, *steps(args.teacher_steps)]))
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in [int(s) for s in args.seeds.split(",") if s]:
         seeded = [*data, *steps(args.student_steps), f"train.seed={seed}"]
         record(f"student scratch s{seed}", train(args.out / f"scratch{seed}", [*seeded, *student]))
         record(f"student distilled s{seed}",

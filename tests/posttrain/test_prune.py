@@ -15,6 +15,7 @@ from kiln.loading import load_model
 from tests.fixtures import require_shared, tiny_story_dataset
 from tests.posttrain.test_distill import SHARED, dataset, teacher
 
+HEAL = Path(__file__).resolve().parents[2] / "configs" / "heal.toml"
 __all__ = ["dataset", "teacher"]  # the fixtures, shared with the distillation tests
 
 
@@ -75,7 +76,7 @@ def test_a_pruned_model_heals_by_distillation_from_the_unpruned_one(
         "train.time_budget=none", "train.max_steps=3", "train.dtype=fp32", "eval.batches=1",
         "eval.every=3", f"logging.run_dir={run}", "logging.progress=false",
     ]  # fmt: skip
-    cfg = load_distill_config(None, sets)
+    cfg = load_distill_config(HEAL, sets)
     trainer = build_trainer(cfg, run)
     start = load_model(pruned, dtype="fp32").model.state_dict()
     assert all(torch.equal(t, start[k]) for k, t in trainer.model.state_dict().items())
@@ -84,7 +85,7 @@ def test_a_pruned_model_heals_by_distillation_from_the_unpruned_one(
     healed = load_model(run, dtype="fp32").model
     assert healed.cfg == load_model(pruned, dtype="fp32").model.cfg
     with pytest.raises(KilnError, match=r"model\.n_embd: the student is distill\.student"):
-        build_trainer(load_distill_config(None, [*sets, "model.n_embd=64"]), tmp_path / "x")
+        build_trainer(load_distill_config(HEAL, [*sets, "model.n_embd=64"]), tmp_path / "x")
 
 
 def test_calibration_data_of_another_tokenizer_is_refused(
