@@ -100,6 +100,21 @@ def summary(run: Path, trainer: Any) -> dict[str, Any]:
             "params": params, "train_s": round(last["train_s"], 1)}  # fmt: skip
 
 
+def decode_speed(folder: Path, new_tokens: int = 128) -> float:
+    """Greedy decode tokens/s of a model folder, batch 1, after one warm-up call."""
+    import time
+
+    from kiln.loading import load_model
+    from kiln.model.generate import generate
+
+    loaded = load_model(folder, dtype="fp32")
+    prompt = [loaded.tokenizer.encode("Once upon a time")]  # type: ignore[union-attr]
+    generate(loaded.model, prompt, 8, temperature=0.0)
+    t0 = time.perf_counter()
+    out = generate(loaded.model, prompt, new_tokens, temperature=0.0)
+    return round(len(out[0]) / (time.perf_counter() - t0), 1)
+
+
 def steps(n: int) -> list[str]:
     """A run of exactly n steps, evaluated and saved at its end."""
     return [f"train.max_steps={n}", f"eval.every={n}", f"checkpoint.every={n}"]
@@ -141,8 +156,15 @@ def main() -> int:
     for seed in [int(s) for s in args.seeds.split(",") if s]:
         seeded = [*data, *steps(args.student_steps), f"train.seed={seed}"]
         record(f"student scratch s{seed}", train(args.out / f"scratch{seed}", [*seeded, *student]))
-        record(f"student distilled s{seed}",
-               distill(args.out / f"distilled{seed}", [*seeded, *student, f"distill.teacher={teacher}"]))  # fmt: skip
+        distilled = distill(
+            args.out / f"distilled{seed}", [*seeded, *student, f"distill.teacher={teacher}"]
+        )
+        record(f"student distilled s{seed}", distilled)
+        budget = [*data, f"train.seed={seed}", f"train.time_budget={distilled['train_s']}s",
+                  f"train.max_steps={10 * args.student_steps}", "eval.every=1000000",
+                  "checkpoint.every=1000000"]  # fmt: skip
+        record(f"student scratch, distilled's time s{seed}",
+               train(args.out / f"scratch_time{seed}", [*budget, *student]))  # fmt: skip
     from kiln.posttrain.prune import PruneTargets, prune_to_folder
 
     pruned = args.out / "pruned"
@@ -162,6 +184,8 @@ def main() -> int:
     record(
         "pruned shape, scratch", train(args.out / "pruned_scratch", [*data, *steps(heal), *shape])
     )
+    speeds = {"teacher": decode_speed(teacher), "healed": decode_speed(args.out / "healed")}
+    print(json.dumps(measured.stamp({"decode_tokens_per_s": speeds})), flush=True)
     print(measured.line())
     print("| arm | params | steps | val loss (nats/token) | bpb | train s |")
     print("|---|---:|---:|---:|---:|---:|")
