@@ -124,3 +124,29 @@ def logits_loss(logits: Tensor, targets: Tensor, z_loss: float = 0.0) -> Tensor:
     picked = s.gather(1, y.clamp(min=0)[:, None]).squeeze(1)  # (N,)
     per_token = lse - picked + z_loss * lse.square()
     return (per_token * valid).sum() / valid.sum().clamp(min=1)
+
+
+def distill_loss(
+    student: Tensor,
+    teacher: Tensor,
+    targets: Tensor,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+) -> Tensor:
+    """Mean KL between teacher and student logits (..., V) at temperature τ, times τ².
+
+    forward_kl: KL(p_teacher ‖ p_student), which covers the teacher's modes (Hinton et al.);
+    reverse_kl: KL(p_student ‖ p_teacher), which seeks one mode (MiniLLM, GKD). The τ² factor
+    keeps the gradient's scale independent of τ. Positions with targets < 0 do not count.
+    """
+    if kind not in ("forward_kl", "reverse_kl"):
+        raise ValueError(f"distill loss kind must be forward_kl or reverse_kl, got {kind!r}")
+    keep = targets.reshape(-1) >= 0  # (N,)
+    V = student.size(-1)
+    s = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)  # (n, V)
+    t = torch.log_softmax(teacher.reshape(-1, V)[keep].float() / temperature, dim=-1)  # (n, V)
+    p, q = (t, s) if kind == "forward_kl" else (s, t)  # KL(p ‖ q) in log space
+    kl = (p.exp() * (p - q)).sum(-1)  # (n,)
+    if kl.numel() == 0:
+        return student.sum() * 0.0
+    return kl.mean() * temperature**2

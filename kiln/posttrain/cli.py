@@ -1,5 +1,6 @@
-"""`kiln posttrain add-chat-tokens|preferences`, `kiln data chat`, `kiln chat`, `kiln sft`, and
-the preference and RL commands `kiln dpo`, `kiln reward`, `kiln rl` (kiln/posttrain/align/run.py)."""
+"""`kiln posttrain add-chat-tokens|preferences`, `kiln data chat`, `kiln chat`, `kiln sft`,
+`kiln distill`, `kiln prune`, and the preference and RL commands `kiln dpo`, `kiln reward`,
+`kiln rl` (kiln/posttrain/align/run.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def register(sub: Any) -> None:
     _add_data_chat_command(command_group(sub, "data"))
     _add_chat_command(sub)
     _add_sft_command(sub)
+    _add_distill_command(sub)
+    _add_prune_command(sub)
 
 
 def _add_chat_tokens_command(commands: Any) -> None:
@@ -196,6 +199,87 @@ def run_sft(args: argparse.Namespace) -> int:
             trainer.say(f"kiln sft: LoRA adapter of step {result.step:,} in {written} (PEFT)")
 
     return train_and_report(cfg, run_dir, args, build=build_trainer, command="sft", after=after)
+
+
+DISTILL_EXAMPLES = """examples:
+  kiln distill configs/distill.toml --set distill.teacher=runs/demo --set data.dataset=data/stories
+  kiln distill configs/distill.toml --set distill.loss=reverse_kl --set distill.ce_weight=0.5
+  kiln distill configs/heal.toml --set distill.student=runs/pruned   # heal a pruned model
+  kiln distill configs/distill.toml --resume"""
+
+
+def _add_distill_command(sub: Any) -> None:
+    """`kiln distill CONFIG.toml [--set k=v ...] [--resume]`: train a student on a teacher."""
+    p = add_subcommand(
+        sub, "distill", "train a student model on a teacher's logits (KL, reverse KL, + CE)",
+        DISTILL_EXAMPLES,
+    )  # fmt: skip
+    p.description = (
+        "Knowledge distillation: train [model] (or distill.student's weights) on the dataset\n"
+        "with the KL to distill.teacher's temperature-softened logits, optionally mixed with the\n"
+        "cross-entropy. The teacher must use the dataset's tokenizer. The run folder is a kiln\n"
+        "run: config.toml, metrics.jsonl (val_loss: the student's own), checkpoints/ (--resume)."
+    )
+    from kiln.train.cli import add_run_arguments
+
+    add_run_arguments(p, "distillation config (see configs/distill.toml)", "distill.temperature=1")
+    p.set_defaults(handler=run_distill)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """Load the config and distill (resuming if asked)."""
+    from kiln.posttrain.distill import build_trainer, load_distill_config
+    from kiln.train.cli import load_run_config, train_and_report
+
+    cfg, run_dir = load_run_config(args, load_distill_config)
+    return train_and_report(cfg, run_dir, args, build=build_trainer, command="distill")
+
+
+PRUNE_EXAMPLES = """examples:
+  kiln prune runs/demo runs/pruned --n-layer 3 --n-embd 192 --d-ff 448
+  kiln prune runs/demo runs/pruned --n-head 2 --data data/tinystories --batches 16 --force
+  kiln distill configs/heal.toml --set distill.teacher=runs/demo \\
+      --set distill.student=runs/pruned                       # then heal it (Minitron)
+
+Ranks attention heads (whole GQA groups with --n-kv-head; query heads within each group with
+--n-head), MLP channels and embedding channels by their mean activation on calibration windows
+of DATA's train split, and blocks by how little they change the residual stream (1 - cosine);
+keeps the most important. OUT is a new run folder (tokenizer.json, checkpoints/step_0/,
+prune.json) that every command loads; the source is never modified."""
+
+
+def _add_prune_command(sub: Any) -> None:
+    """`kiln prune MODEL OUT --n-layer/--n-head/--n-kv-head/--n-embd/--d-ff`."""
+    p = add_subcommand(sub, "prune", "structured pruning: a smaller model of the same family",
+                       PRUNE_EXAMPLES)  # fmt: skip
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("out", metavar="OUT", help="the new run folder to write")
+    for flag, what in (
+        ("--n-layer", "blocks to keep (depth)"), ("--n-head", "query heads to keep"),
+        ("--n-kv-head", "key/value heads (GQA groups) to keep"),
+        ("--n-embd", "embedding channels to keep"), ("--d-ff", "MLP channels to keep"),
+    ):  # fmt: skip
+        p.add_argument(flag, type=int, metavar="N", help=f"{what} (default: all)")
+    p.add_argument("--data", metavar="DIR", help="token-shard dataset for calibration "
+                   "(default: the one the model was trained on)")  # fmt: skip
+    p.add_argument("--batches", type=int, default=8, help="calibration batches (default 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="calibration window (default 256)")
+    add_tokenizer_option(p)
+    p.add_argument("--force", action="store_true", help="replace an OUT this command wrote before")
+    p.set_defaults(handler=run_prune)
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    """Prune MODEL into OUT and report the shapes and parameter counts."""
+    from kiln.posttrain.prune import PruneTargets, prune_to_folder
+
+    targets = PruneTargets(
+        n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
+        n_embd=args.n_embd, d_ff=args.d_ff,
+    )  # fmt: skip
+    print(prune_to_folder(args.model, args.out, targets, args.data, args.batches, args.seq_len,
+                          args.tokenizer, args.force))  # fmt: skip
+    return 0
 
 
 # ---- preferences and RL ---------------------------------------------------------------------
