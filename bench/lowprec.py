@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from kiln.eval.lm import bits_per_byte, read_documents
 from kiln.eval.scoring import Scorer
 from kiln.io import open_binary
@@ -92,7 +93,9 @@ def main() -> int:
     p.add_argument("--bpb", type=Path, default=SHARED / "tinystories" / "valid.txt.gz")
     p.add_argument("--max-bytes", type=int, help="score only the first N bytes of --bpb")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    add_noisy_flag(p)
     args = p.parse_args()
+    measured = begin("bench/lowprec.py", args.noisy)
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype="fp32")
     base = loaded.model
@@ -115,8 +118,9 @@ def main() -> int:
         if tmp is not None:
             os.unlink(tmp.name)
     print_table(rows)
+    print(measured.line())
     if args.out is not None:
-        record = {"model": loaded.source, "text_bytes": n_bytes, "rows": rows}
+        record = measured.stamp({"model": loaded.source, "text_bytes": n_bytes, "rows": rows})
         tmp_out = args.out.with_suffix(args.out.suffix + ".tmp")
         tmp_out.write_text(json.dumps(record, indent=2) + "\n")
         tmp_out.replace(args.out)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -37,12 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._load import add_noisy_flag, begin
 from bench.serve import model_config
 from kiln.model.transformer import Transformer
 from kiln.serve.engine import Engine, EngineConfig, SamplingParams
 from kiln.serve.engine.drafters import LookupDrafter, ModelDrafter, truncated
-
-MAX_LOAD = 1.5
 
 
 def prompts(n: int, vocab: int, length: int = 48, seed: int = 0) -> list[list[int]]:
@@ -102,15 +100,11 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--noisy", action="store_true", help="record even on a loaded machine")
+    add_noisy_flag(p)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
+    measured = begin("bench/spec_engine.py", args.noisy)
     torch.set_num_threads(1)
-    load = os.getloadavg()[0]
-    print(f"load average at start: {load:.2f}")
-    if load > MAX_LOAD and not args.noisy:
-        print(f"error: load {load:.2f} > {MAX_LOAD}: pass --noisy to record anyway")
-        return 2
     torch.manual_seed(0)
     model = Transformer(model_config("demo")).eval()
     names = args.drafters.split(",")
@@ -132,10 +126,10 @@ def main() -> int:
             shown = "-" if acc is None else f"{acc:.2f}"
             print(f"batch {batch:>2}  {name:<12} {tok_s:8.0f} tok/s  {tok_s / base:5.2f}x  "
                   f"acceptance {shown:>4}  speculative steps {r[0]['spec_steps']}", flush=True)  # fmt: skip
-    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(measured.line())
     if args.out:
         tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
+        tmp.write_text(json.dumps(measured.stamp(results), indent=1))
         tmp.replace(args.out)
     return 0
 

@@ -286,8 +286,7 @@ class TrainConfig:
     def resolved(self, model: ModelConfig) -> TrainConfig:
         """This config with the model section replaced by every field of `model` (no preset)."""
         # None fields mean "the default" and TOML cannot write them: leave them out.
-        fields = {k: v for k, v in model.to_dict().items() if v is not None}
-        return dataclasses.replace(self, model=fields)
+        return dataclasses.replace(self, model=_without_none(model.to_dict()))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML-ready; None values are dropped by the writer)."""
@@ -296,6 +295,15 @@ class TrainConfig:
     def to_toml(self) -> str:
         """The config as TOML text that `load_train_config` reads back to an equal config."""
         return cfgio.to_toml(self.to_dict(), header="kiln train config (fully resolved)")
+
+
+def _without_none(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` without None values, in nested sections too (e.g. model.ssm)."""
+    return {
+        k: _without_none(v) if isinstance(v, dict) else v
+        for k, v in fields.items()
+        if v is not None
+    }
 
 
 def load_train_config(
