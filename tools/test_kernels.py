@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     if not any(not a.startswith("-") for a in pytest_args):  # no paths given: the marked files
         pytest_args = [*kernel_test_files(), *pytest_args]
     # One-thread cells run two at a time (one per core of the 2-core CI machine); others alone.
-    plan = [(f"{name}/t{t}", env, t) for name, env in cells.items() for t in threads]
+    plan = [(f"{name}/t{t}", env, t) for t in threads for name, env in cells.items()]
     waves: list[list[tuple[str, dict[str, str], int]]] = []
     for cell in plan:
         if cell[2] == 1 and waves and len(waves[-1]) < args.jobs and waves[-1][0][2] == 1:
