@@ -164,6 +164,9 @@ def main(argv: list[str]) -> int:
         print(f"{i + 1:>3} {column:<22} {verdict:<22} {seconds:6.1f} s")
     failed = [column for column, code, _ in summary if code != 0]
     print(f"{len(summary) - len(failed)}/{len(summary)} cells passed in {total:.0f} s")
+    outcomes_all = [o for row in results.values() for o in row.values()]
+    # The plain closing line CI reads: test runs over all cells.
+    print(f"kernels: {outcomes_all.count('pass')} passed, {outcomes_all.count('FAIL')} failed")
     return 1 if failed else 0
 
 
