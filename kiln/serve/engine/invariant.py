@@ -20,7 +20,8 @@ shapes fixed by the sequence alone (see paged_cache.py).
 Guarantee: bitwise-equal logits rows for a seeded request alone or in any batch, fp32 and bf16,
 1 and 2 threads, verified with torch 2.13 / MKL 2024.2 / oneDNN 3.12 under default and capped
 ISAs and MKL_CBWR=COMPATIBLE (docs/engine.md). Cost: decode at batch 1 does 16 rows of GEMM
-work for one token (about 0.5x the fast path, measured under load); at batch 32 about 0.9x.
+work for one token (0.40x the fast path, measured quiet on the demo-size model); at batch 32
+0.68x (bench/RESULTS.md, "Quiet re-measurement").
 """
 
 from __future__ import annotations
