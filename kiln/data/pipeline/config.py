@@ -16,6 +16,7 @@ from pathlib import Path
 from kiln import config as cfgio
 from kiln.data.pipeline.decontaminate.ngram_overlap import DecontamConfig
 from kiln.data.pipeline.dedup.exact import ExactDedupConfig
+from kiln.data.pipeline.dedup.lines import LineDedupConfig
 from kiln.data.pipeline.dedup.minhash import MinHashConfig
 from kiln.data.pipeline.filter.bad_words import BadWordsConfig
 from kiln.data.pipeline.filter.language import LanguageConfig
@@ -78,10 +79,12 @@ class QualityConfig:
 
 @dataclass(frozen=True)
 class DedupConfig:
-    """Exact dedup on normalised text, then MinHash-LSH near dedup."""
+    """Exact dedup on normalised text, then MinHash-LSH near dedup, then (after
+    decontamination) line dedup over the surviving documents."""
 
     exact: ExactDedupConfig = field(default_factory=ExactDedupConfig)
     near: MinHashConfig = field(default_factory=MinHashConfig)
+    lines: LineDedupConfig = field(default_factory=LineDedupConfig)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The stages that need every document at once: exact dedup, near dedup, decontamination.
+"""The stages that need every document at once: exact, near and line dedup, decontamination.
 
 They run on the fingerprints the filter tasks wrote (exact keys and MinHash band keys, as
 hash-sliced rows on disk, and the decontamination verdict), never on the text. Clustering is
@@ -12,6 +12,10 @@ one removed, and a cluster's representative is its first document by that order.
 Near dedup clusters every document, exact duplicates included: an exact duplicate has the band
 keys of the copy exact dedup kept, so the clusters of the survivors are the same, and the
 document finally kept for any duplicate is its cluster's representative.
+
+Line dedup (`lines`) comes last: its units are counted over the documents the other global
+stages kept (so a document's own copies do not make its lines look like boilerplate), and the
+tokenize tasks remove the frequent ones from each document.
 """
 
 from __future__ import annotations
@@ -28,8 +32,16 @@ import numpy as np
 
 from kiln.data.pipeline.config import PipelineConfig
 from kiln.data.pipeline.dedup import partitioned
+from kiln.data.pipeline.dedup.bloom import BLOOM_HIT, BloomJob, run_bloom_job
+from kiln.data.pipeline.dedup.lines import LineCountJob, run_line_count_job
 from kiln.data.pipeline.records import load_arrays, read_records, save_arrays, write_records
-from kiln.data.pipeline.task_outputs import DECONTAM_CODES, EXACT_ROWS, EXCERPT_CHARS, NEAR_ROWS
+from kiln.data.pipeline.task_outputs import (
+    DECONTAM_CODES,
+    EXACT_ROWS,
+    EXCERPT_CHARS,
+    LINE_ROWS,
+    NEAR_ROWS,
+)
 from kiln.io import write_json_atomic
 
 GLOBAL_STATS = "stats.json"
@@ -66,32 +78,86 @@ def run_global_stages(
 ) -> None:
     """Decide which documents survive dedup and decontamination; write per-task keep masks,
     removal records, the duplicates merged into each kept document, and the funnel."""
-    for stale in ("exact", "near", "decided"):  # a pass cut short starts again
+    for stale in ("exact", "near", "decided", "lines"):  # a pass cut short starts again
         shutil.rmtree(out_dir / stale, ignore_errors=True)
     sizes = [int(np.load(d / f"{EXACT_ROWS}.offsets.npy")[-1]) for d in task_dirs]
     rows = sum(sizes) * max(cfg.dedup.near.bands if cfg.dedup.near.enabled else 1, 1)
+    if cfg.dedup.lines.enabled:
+        rows = max(rows, sum(int(np.load(d / f"{LINE_ROWS}.offsets.npy")[-1]) for d in task_dirs))
     parts = partitions or partitioned.partitions_for(rows, memory_bytes)
     n_tasks = len(task_dirs)
     exact: list[str] = []
     near: list[str] = []
-    if cfg.dedup.exact.enabled and sum(sizes):
+    info: dict[str, Any] = {}
+    if cfg.dedup.exact.enabled and sum(sizes) and cfg.dedup.exact.method == "bloom":
+        (out_dir / "exact").mkdir(parents=True, exist_ok=True)
+        job = BloomJob(
+            tuple(str(d / f"{EXACT_ROWS}.npy") for d in task_dirs),
+            str(out_dir / "exact" / "bloom.npy"),
+            cfg.dedup.exact.false_positive_rate,
+            TASK_SHIFT,
+        )
+        info["exact_dedup"] = mapper(run_bloom_job, [job])[0]
+        exact = [job.out]
+    elif cfg.dedup.exact.enabled and sum(sizes):
         inputs = [str(d / f"{EXACT_ROWS}.npy") for d in task_dirs]
         exact = partitioned.exact_groups(
             mapper, inputs, out_dir / "exact", parts, n_tasks, TASK_SHIFT
         )
     if cfg.dedup.near.enabled and sum(sizes):
         inputs = [str(d / f"{NEAR_ROWS}.npy") for d in task_dirs]
-        near, _ = partitioned.components(
-            mapper, inputs, out_dir / "near", parts, n_tasks, TASK_SHIFT
-        )
+        near, near_info = partitioned.components(
+            mapper, inputs, out_dir / "near", parts, n_tasks, TASK_SHIFT,
+            shingle_dirs=[str(d) for d in task_dirs], jaccard=cfg.dedup.near.jaccard_threshold,
+        )  # fmt: skip
+        if "candidates" in near_info:
+            info["near_dedup"] = {
+                "jaccard_threshold": cfg.dedup.near.jaccard_threshold,
+                "candidate_checks": near_info["candidates"],
+                "verified": near_info["verified"],
+            }
     jobs = [
         DecideJob(t, tuple(str(d) for d in task_dirs), str(out_dir), tuple(exact), tuple(near),
                   cfg.removed_samples)
         for t in range(n_tasks)
     ]  # fmt: skip
     decided = mapper(decide_task, jobs)
+    if cfg.dedup.lines.enabled and sum(sizes):
+        info["line_dedup"] = _count_lines(cfg, task_dirs, out_dir, mapper, parts)
     _write_removals(out_dir, n_tasks)
-    _write_stats(out_dir, decided, cfg.removed_samples)
+    _write_stats(out_dir, decided, cfg.removed_samples, info)
+
+
+def _count_lines(
+    cfg: PipelineConfig, task_dirs: list[Path], out_dir: Path, mapper: Mapper, parts: int
+) -> dict[str, Any]:
+    """Find the units in at least `min_documents` surviving documents (`lines`); the tokenize
+    tasks remove them."""
+    folder = out_dir / "lines"
+    folder.mkdir(parents=True, exist_ok=True)
+    inputs = tuple(str(d / f"{LINE_ROWS}.npy") for d in task_dirs)
+    jobs = [
+        LineCountJob(inputs, str(out_dir), *partitioned.slice_range(p, parts),
+                     str(folder / f"{p:05d}.npy"), len(task_dirs), TASK_SHIFT,
+                     cfg.dedup.lines.min_documents)
+        for p in range(parts)
+    ]  # fmt: skip
+    results = mapper(run_line_count_job, jobs)
+    return {
+        "unit": cfg.dedup.lines.unit,
+        "min_documents": cfg.dedup.lines.min_documents,
+        "frequent_units": sum(r["frequent"] for r in results),
+    }
+
+
+def frequent_units(out_dir: Path, task: int) -> set[int]:
+    """The keys of one task's units that line dedup removes (empty when it is off)."""
+    folder = out_dir / "lines"
+    paths = sorted(str(p) for p in folder.glob("*.npy") if not p.name.endswith(".offsets.npy"))
+    if not paths:
+        return set()
+    rows = partitioned.read_buckets(paths, task, task + 1, 2, np.int64)
+    return set(rows[:, 1].tolist())
 
 
 @dataclass(frozen=True)
@@ -135,9 +201,10 @@ def decide_task(job: DecideJob) -> dict[str, Any]:
     n = len(is_val)
     nodes = nodes_of(t, is_val)
     head, label = _pairs(job.exact, t, n), _pairs(job.near, t, n)
+    bloom_hit = head == BLOOM_HIT  # the Bloom filter had seen it; which copy, it cannot say
     head = np.where(head < 0, nodes, head)
     label = np.where(label < 0, nodes, label)
-    exact_kept = (head == nodes) | is_val
+    exact_kept = ((head == nodes) & ~bloom_hit) | is_val
     near_kept = exact_kept & ((label == nodes) | is_val)
     keep = near_kept & (codes == 0)
     save_arrays(
@@ -150,7 +217,9 @@ def decide_task(job: DecideJob) -> dict[str, Any]:
     removals: list[dict[str, Any]] = []
     for i in np.flatnonzero(~keep).tolist():
         record: dict[str, Any] = {"id": str(keys["ids"][i]), "ordinal": int(keys["ordinal"][i])}
-        if not exact_kept[i]:
+        if bloom_hit[i] and not exact_kept[i]:
+            record.update(stage="exact_dedup", reason="exact_dedup.bloom_seen")
+        elif not exact_kept[i]:
             record.update(_dedup_reason("exact_dedup", int(head[i])))
         elif not near_kept[i]:
             record.update(_dedup_reason("near_dedup", int(label[i])))
@@ -272,7 +341,9 @@ def _write_removals(out_dir: Path, n_tasks: int) -> None:
     write_records(out_dir / "removed.jsonl.zst", records())
 
 
-def _write_stats(out_dir: Path, decided: list[dict[str, Any]], limit: int) -> None:
+def _write_stats(
+    out_dir: Path, decided: list[dict[str, Any]], limit: int, info: dict[str, Any]
+) -> None:
     alive = np.sum([d["alive"] for d in decided], axis=0) if decided else np.zeros(4, int)
     samples: dict[str, list[dict[str, Any]]] = {}
     for d in decided:
@@ -294,6 +365,7 @@ def _write_stats(out_dir: Path, decided: list[dict[str, Any]], limit: int) -> No
                 "removed": dict(reasons),
                 "by_source": dict(sources),
                 "changed": sum(d["cut_kept"] for d in decided) if stage == "decontaminate" else 0,
+                **({"details": info[stage]} if stage in info else {}),
             }
         )
     write_json_atomic(
@@ -302,6 +374,7 @@ def _write_stats(out_dir: Path, decided: list[dict[str, Any]], limit: int) -> No
             "documents": int(alive[0]),
             "val_documents": sum(d["val_documents"] for d in decided),
             "funnel": funnel,
+            "line_dedup": info.get("line_dedup"),
             "samples": dict(sorted(samples.items())),
         },
     )

@@ -295,7 +295,10 @@ def _load_stats(task_dir: Path) -> dict[str, Any]:
 
 
 def _funnel(
-    cfg: PipelineConfig, filter_stats: list[dict[str, Any]], global_stats: dict[str, Any]
+    cfg: PipelineConfig,
+    filter_stats: list[dict[str, Any]],
+    global_stats: dict[str, Any],
+    tok_stats: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Stage by stage: documents in, kept, and removed by reason (overall and per source)."""
     rows: list[dict[str, Any]] = []
@@ -326,6 +329,23 @@ def _funnel(
             }
         )
     rows.extend(global_stats["funnel"])
+    if cfg.dedup.lines.enabled:
+        lines = [s["line_dedup"] for s in tok_stats if "line_dedup" in s]
+        total = {k: sum(s[k] for s in lines) for k in ("in", "changed", "units_removed", "emptied")}
+        rows.append(
+            {
+                "stage": "line_dedup",
+                "in": total["in"],
+                "kept": total["in"] - total["emptied"],
+                "removed": {"line_dedup.empty": total["emptied"]} if total["emptied"] else {},
+                "by_source": {},
+                "changed": total["changed"],
+                "details": {
+                    **(global_stats.get("line_dedup") or {}),
+                    "units_removed": total["units_removed"],
+                },
+            }
+        )
     return rows
 
 
@@ -374,6 +394,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
                 cfg.tokenize.tokenizer,
                 cfg.tokenize.eot_token,
                 cfg.removed_samples,
+                cfg.dedup.lines if cfg.dedup.lines.enabled else None,
             )
             for t in tasks
         ]
@@ -393,10 +414,10 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     _log("writing shards", opts.progress)
-    samples = _write_audit_log(cfg, partial, tasks, global_dir)
+    samples = _write_audit_log(cfg, partial, tasks, global_dir, [t.dir for t in tok_tasks])
     samples.update(global_stats["samples"])  # the global stages chose theirs when they ran
     stats = {
-        "funnel": _funnel(cfg, filter_stats, global_stats),
+        "funnel": _funnel(cfg, filter_stats, global_stats, tok_stats),
         "mix": mix_summary,
         "decontamination": _merge_decontam(tok_stats),
         "read_issues": _merge_issues(filter_stats),
@@ -460,21 +481,33 @@ def _merge_histograms(filter_stats: list[dict[str, Any]]) -> dict[str, dict[str,
 
 
 def _write_audit_log(
-    cfg: PipelineConfig, partial: Path, tasks: list[FilterTask], global_dir: Path
+    cfg: PipelineConfig,
+    partial: Path,
+    tasks: list[FilterTask],
+    global_dir: Path,
+    tok_dirs: list[Path],
 ) -> dict[str, list[dict[str, Any]]]:
-    """Write every removal (per-document stages in task order, then the global stages) and
-    return a few examples per (stage, reason): the first in input order that carry an excerpt."""
+    """Write every removal (per-document stages in task order, then the global stages, then
+    documents line dedup emptied) and return a few examples per (stage, reason): the first in
+    input order that carry an excerpt."""
     samples: dict[str, list[dict[str, Any]]] = {}
+
+    def sampled(records: Any) -> Any:
+        for record in records:
+            if "excerpt" in record:
+                bucket = samples.setdefault(f"{record['stage']}/{record['reason']}", [])
+                if len(bucket) < cfg.removed_samples:
+                    bucket.append(record)
+            yield record
 
     def all_removals() -> Any:
         for t in tasks:
-            for record in read_records(t.dir / "removed.jsonl.zst"):
-                if "excerpt" in record:
-                    bucket = samples.setdefault(f"{record['stage']}/{record['reason']}", [])
-                    if len(bucket) < cfg.removed_samples:
-                        bucket.append(record)
-                yield record
+            yield from sampled(read_records(t.dir / "removed.jsonl.zst"))
         yield from read_records(global_dir / "removed.jsonl.zst")
+        for d in tok_dirs:
+            path = d / "removed.line_dedup.jsonl.zst"
+            if path.is_file():
+                yield from sampled(read_records(path))
 
     write_records(partial / PIPELINE_DIR / "removed.jsonl.zst", all_removals())
     return samples

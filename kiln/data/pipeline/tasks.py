@@ -26,7 +26,13 @@ from kiln.data.pipeline.records import (
     unit_interval,
     write_records,
 )
-from kiln.data.pipeline.task_outputs import DECONTAM_CODES, EXACT_ROWS, EXCERPT_CHARS, NEAR_ROWS
+from kiln.data.pipeline.task_outputs import (
+    DECONTAM_CODES,
+    EXACT_ROWS,
+    EXCERPT_CHARS,
+    LINE_ROWS,
+    NEAR_ROWS,
+)
 from kiln.io import write_json_atomic
 
 STATS = "stats.json"
@@ -81,6 +87,7 @@ class TokenizeTask:
     tokenizer: str
     eot_token: str
     samples: int = 5  # output documents kept as examples per kind (see `_add_samples`)
+    lines: Any = None  # the LineDedupConfig when line dedup is on
 
     @property
     def dir(self) -> Path:
@@ -265,17 +272,23 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
         [unit_interval(cfg.seed, "val", d.id) < cfg.split.val_fraction for d in kept], dtype=bool
     )
     exact = keys_array([exact_key(d.text) for d in kept])
+    task.dir.mkdir(parents=True, exist_ok=True)
+    verify = cfg.dedup.near.enabled and cfg.dedup.near.jaccard_threshold > 0.0
+    shingles: list[np.ndarray] | None = [] if verify else None
     if cfg.dedup.near.enabled and kept:
         hasher = _minhasher(cfg)
-        bands = hasher.band_keys(hasher.signatures([d.text for d in kept]))
+        bands = hasher.band_keys(hasher.signatures([d.text for d in kept], shingles))
     else:
         bands = np.zeros((len(kept), 0), dtype=np.uint64)
+    if shingles is not None:
+        _write_shingles(task.dir, shingles)
 
-    task.dir.mkdir(parents=True, exist_ok=True)
     # The global pass reads these hash-sliced, a partition at a time (see `partitioned`).
     nodes = nodes_of(task.index, is_val)
     write_exact_rows(task.dir / f"{EXACT_ROWS}.npy", exact, nodes)
     write_near_rows(task.dir / f"{NEAR_ROWS}.npy", bands, nodes)
+    if cfg.dedup.lines.enabled:
+        _write_line_rows(task.dir, kept, nodes, cfg)
     write_records(
         task.dir / "docs.jsonl.zst",
         ({"id": d.id, "source": d.source, "text": d.text, "meta": d.meta} for d in kept),
@@ -310,6 +323,34 @@ def run_filter_task(task: FilterTask) -> dict[str, Any]:
     return stats
 
 
+def _write_shingles(folder: Path, batches: list[np.ndarray]) -> None:
+    """Each kept document's distinct shingles, for the Jaccard check of near-dup candidates."""
+    from kiln.data.pipeline.dedup.verify import distinct_shingles, write_shingles
+
+    values, offsets = [], [np.zeros(1, dtype=np.int64)]
+    for shingles, batch_offsets in zip(batches[0::2], batches[1::2], strict=True):
+        v, o = distinct_shingles(shingles, batch_offsets)
+        values.append(v)
+        offsets.append(o[1:] + offsets[-1][-1])
+    write_shingles(
+        folder,
+        np.concatenate(values) if values else np.zeros(0, dtype=np.uint64),
+        np.concatenate(offsets),
+    )
+
+
+def _write_line_rows(folder: Path, kept: list[Document], nodes: np.ndarray, cfg: Any) -> None:
+    """(unit key, node) for each distinct line or paragraph of each kept document."""
+    from kiln.data.pipeline.dedup.lines import document_keys
+    from kiln.data.pipeline.dedup.partitioned import SLICES, slice_of, write_bucketed
+
+    per_doc = [document_keys(d.text, cfg.dedup.lines) for d in kept]
+    keys = np.concatenate(per_doc) if per_doc else np.zeros(0, dtype=np.int64)
+    owners = np.repeat(nodes, [len(k) for k in per_doc]) if per_doc else keys
+    rows = np.stack([keys, owners.astype(np.int64)], axis=1)
+    write_bucketed(folder / f"{LINE_ROWS}.npy", rows, slice_of(keys), SLICES)
+
+
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
     from kiln.data.tokenize_shards import load_tokenizer_entry
@@ -320,7 +361,7 @@ def _tokenizer(path: str, eot_token: str) -> tuple[Any, int]:
 
 def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     """Encode the documents of one filter task that the global stages kept; return stats."""
-    from kiln.data.pipeline.global_stages import read_clusters
+    from kiln.data.pipeline.global_stages import frequent_units, read_clusters
     from kiln.data.pipeline.mix.survivors import write_doc_records
     from kiln.data.shard_format import dtype_for_vocab
     from kiln.data.tokenize_shards import encode_documents
@@ -330,6 +371,11 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     decision = load_arrays(global_dir / f"{task.index:06d}.npz")
     keep, reached = decision["keep"], decision["reached_decontam"]
     clusters = read_clusters(global_dir, task.index)
+    frequent = frequent_units(global_dir, task.index) if task.lines is not None else set()
+    line_stats = {"in": 0, "changed": 0, "units_removed": 0}
+    emptied: list[dict[str, Any]] = []
+    val_kept = decision["val_kept"]
+    is_val: list[bool] = []
     texts, docs = [], []
     samples: dict[str, list[dict[str, Any]]] = {}
     decontam: dict[str, dict[str, int]] = {}
@@ -341,13 +387,19 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
                 entry["spans"] += int(spans)
                 entry["dropped"] += int(not keep[i])
         if keep[i]:
+            history = record["meta"].get("history", [])
+            if task.lines is not None:
+                line_stats["in"] += 1
+                if not _remove_lines(record, frequent, task, history, line_stats, emptied):
+                    continue
+            is_val.append(bool(val_kept[len(is_val) + len(emptied)]))
             texts.append(record["text"])
             doc = {
                 "id": record["id"],
                 "source": record["source"],
                 "file": record["meta"].get("file", ""),
                 "ordinal": record["meta"].get("ordinal", -1),
-                "history": record["meta"].get("history", []),
+                "history": history,
                 "duplicates": clusters.get(i, []),
             }
             docs.append(doc)
@@ -358,12 +410,60 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
     task.dir.mkdir(parents=True, exist_ok=True)
     save_array(task.dir / "tokens.npy", flat)
     save_array(task.dir / "lengths.npy", lengths)
-    write_doc_records(task.dir, docs)
+    write_doc_records(task.dir, docs, np.array(is_val, dtype=bool))
+    write_records(task.dir / "removed.line_dedup.jsonl.zst", emptied)
     stats = {"task": task.index, "documents": len(docs), "tokens": int(flat.shape[0])}
+    if task.lines is not None:
+        stats["line_dedup"] = {**line_stats, "emptied": len(emptied)}
     stats["decontam"] = decontam
     stats["samples"] = samples
     write_json_atomic(task.dir / STATS, stats)
     return stats
+
+
+def _remove_lines(
+    record: dict[str, Any],
+    frequent: set[int],
+    task: TokenizeTask,
+    history: list[dict[str, Any]],
+    counts: dict[str, int],
+    emptied: list[dict[str, Any]],
+) -> bool:
+    """Remove the record's frequent units (in place); False when nothing of it is left, after
+    adding its removal record to `emptied`."""
+    from kiln.data.pipeline.dedup.lines import remove_units
+
+    before = record["text"]
+    after, removed = remove_units(before, frequent, task.lines)
+    if not removed:
+        return True
+    counts["units_removed"] += removed
+    if not after:
+        emptied.append(
+            {
+                "id": record["id"],
+                "source": record["source"],
+                "file": record["meta"].get("file", ""),
+                "ordinal": record["meta"].get("ordinal", -1),
+                "stage": "line_dedup",
+                "reason": "line_dedup.empty",
+                "units_removed": removed,
+                "excerpt": before[:EXCERPT_CHARS],
+            }
+        )
+        return False
+    counts["changed"] += 1
+    record["text"] = after
+    history.append(
+        {
+            "stage": "line_dedup",
+            "change": f"removed {task.lines.unit}s repeated in other documents",
+            "chars_before": len(before),
+            "chars_after": len(after),
+            "units_removed": removed,
+        }
+    )
+    return True
 
 
 def _add_samples(

@@ -7,12 +7,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.errors import KilnError
+
+METHODS = ("sort", "bloom")
+
 
 @dataclass(frozen=True)
 class ExactDedupConfig:
-    """Exact dedup switch; the key and the keep rule are fixed (see `exact_key`)."""
+    """Exact dedup: the key and the keep rule are fixed (see `exact_key`); the method is
+    "sort" (hash partitions on disk, exact) or "bloom" (one Bloom filter, see `bloom`)."""
 
     enabled: bool = True
+    method: str = "sort"
+    false_positive_rate: float = 1e-3  # "bloom": the share of unique documents it may remove
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise KilnError(f"dedup.exact.method = {self.method!r}: expected one of {METHODS}")
+        if not 0.0 < self.false_positive_rate < 0.5:
+            raise KilnError(
+                f"dedup.exact.false_positive_rate = {self.false_positive_rate}: expected a rate "
+                f"in (0, 0.5)"
+            )
 
 
 def exact_key(text: str) -> bytes:

@@ -60,12 +60,20 @@ class MinHashConfig:
     bands: int = 14
     rows: int = 8
     seed: int = 1
+    # Candidate pairs below this exact Jaccard of their shingle sets are not merged (`verify`,
+    # NeMo-Curator's fuzzy dedup); 0 merges every LSH candidate, as FineWeb does.
+    jaccard_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ngram", "bands", "rows"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"minhash.{name}: expected an integer >= 1, got {value}")
+        if not 0.0 <= self.jaccard_threshold <= 1.0:
+            raise ConfigError(
+                f"dedup.near.jaccard_threshold = {self.jaccard_threshold}: expected a Jaccard "
+                f"similarity in [0, 1] (0: no verification)"
+            )
 
     @property
     def num_perm(self) -> int:
@@ -221,14 +229,21 @@ class MinHasher:
         self.perm_b = np.array(b, dtype=np.uint64)  # (P,)
         self._band_weights = _position_weights(config.rows)  # (R,)
 
-    def signatures(self, texts: Sequence[str]) -> np.ndarray:
-        """MinHash signatures, (n, bands * rows) uint64, one row per text."""
+    def signatures(
+        self, texts: Sequence[str], shingles_out: list[np.ndarray] | None = None
+    ) -> np.ndarray:
+        """MinHash signatures, (n, bands * rows) uint64, one row per text.
+
+        With `shingles_out`, each batch's (shingle hashes, offsets) are appended to it.
+        """
         sigs = np.empty((len(texts), self.config.num_perm), dtype=np.uint64)
         # Batches of a few hundred documents keep the per-byte arrays in cache.
         for lo in range(0, len(texts), _DOCS_PER_BATCH):
             batch = texts[lo : lo + _DOCS_PER_BATCH]
             shingles, offsets = hash_word_ngrams(batch, self.config.ngram)
             sigs[lo : lo + len(batch)] = self.signatures_of_shingles(shingles, offsets)
+            if shingles_out is not None:
+                shingles_out.extend((shingles, offsets))
         return sigs
 
     def signatures_of_shingles(self, shingles: np.ndarray, offsets: np.ndarray) -> np.ndarray:

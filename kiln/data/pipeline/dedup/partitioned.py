@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.data.pipeline.dedup import verify
 from kiln.data.pipeline.dedup.minhash import mix64
 from kiln.data.pipeline.records import save_array
 
@@ -116,6 +117,8 @@ class Job:
     out: str
     buckets: int  # consumer buckets of the results ("exact", "label")
     node_shift: int  # node >> shift (after masking the rank bit) is its consumer bucket
+    shingle_dirs: tuple[str, ...] = ()  # "group" with `jaccard`: the producers' shingle folders
+    jaccard: float = 0.0  # "group": keep only candidate edges of at least this exact Jaccard
 
 
 def node_bucket(nodes: np.ndarray, shift: int) -> np.ndarray:
@@ -165,6 +168,8 @@ def _run_job(job: Job) -> dict[str, Any]:
         rows = read_buckets(job.inputs, job.lo, job.hi, 2, np.uint64)
         rows = rows[np.lexsort((rows[:, 1].astype(np.int64), rows[:, 0]))]
         nodes = rows[:, 1].astype(np.int64)
+        if job.jaccard > 0.0:
+            return _verified_group(job, rows[:, 0], nodes)
         heads = _group_heads(rows[:, 0], nodes)
         return {"edges": _write_edges(job.out, _both_ways(nodes, heads)), "star": False}
     pairs = read_buckets(job.inputs, job.lo, job.hi, 2, np.int64)
@@ -202,14 +207,25 @@ def _run_job(job: Job) -> dict[str, Any]:
     return {"edges": _write_edges(job.out, out), "star": star}
 
 
+def _verified_group(job: Job, keys: np.ndarray, nodes: np.ndarray) -> dict[str, Any]:
+    """A "group" job that links only candidate pairs whose exact Jaccard passes (`verify`)."""
+    u, v = verify.anchor_pairs(keys, nodes)
+    pairs, inverse = np.unique(np.stack([u, v], axis=1), axis=0, return_inverse=True)
+    lookup = verify.shingle_lookup(job.shingle_dirs, job.node_shift)
+    ok = verify.verify_pairs(pairs[:, 0], pairs[:, 1], lookup, job.jaccard)
+    edges = _write_edges(job.out, _both_ways(pairs[ok, 0], pairs[ok, 1]))
+    passed = int(ok[inverse.reshape(-1)].sum())
+    return {"edges": edges, "star": False, "candidates": len(u), "verified": passed}
+
+
 def _round(
     mapper: Mapper, kind: str, inputs: Sequence[str], folder: Path, partitions: int,
-    buckets: int = 1, node_shift: int = 62,
+    buckets: int = 1, node_shift: int = 62, **extra: Any,
 ) -> tuple[list[str], list[dict[str, Any]]]:  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     jobs = [
         Job(kind, tuple(inputs), *slice_range(p, partitions), str(folder / f"{p:05d}.npy"),
-            buckets, node_shift)
+            buckets, node_shift, **extra)
         for p in range(partitions)
     ]  # fmt: skip
     return [j.out for j in jobs], mapper(run_job, jobs)
@@ -224,11 +240,18 @@ def exact_groups(
 
 
 def components(
-    mapper: Mapper, inputs: Sequence[str], folder: Path, partitions: int, buckets: int, shift: int
-) -> tuple[list[str], dict[str, Any]]:
+    mapper: Mapper, inputs: Sequence[str], folder: Path, partitions: int, buckets: int, shift: int,
+    shingle_dirs: Sequence[str] = (), jaccard: float = 0.0,
+) -> tuple[list[str], dict[str, Any]]:  # fmt: skip
     """Files of (node, label) for every node whose component's smallest node is another one,
-    by consumer bucket; and {"rounds", "peak_rss_mb" (the most of any job's process)}."""
-    edges, stats = _round(mapper, "group", inputs, folder / "r000-group", partitions)
+    by consumer bucket; and {"rounds", "peak_rss_mb" (the most of any job's process)}, plus
+    "candidates" and "verified" (pair checks) when edges are verified by exact Jaccard (a
+    `jaccard` > 0 and each producer's shingles in `shingle_dirs`, in producer order)."""
+    verify_args: dict[str, Any] = {}
+    if jaccard > 0.0:
+        verify_args = {"shingle_dirs": tuple(shingle_dirs), "jaccard": jaccard, "node_shift": shift}
+    edges, stats = _round(mapper, "group", inputs, folder / "r000-group", partitions, **verify_args)
+    checks = {k: sum(s.get(k, 0) for s in stats) for k in ("candidates", "verified")}
     seen = list(stats)
     rounds = 0
     while True:
@@ -241,10 +264,12 @@ def components(
         seen += stats
     labels, stats = _round(mapper, "label", edges, folder / "labels", partitions, buckets, shift)
     seen += stats
-    info = {
+    info: dict[str, Any] = {
         "rounds": rounds,
         "peak_rss_mb": round(max(s["peak_rss_mb"] for s in seen)),
     }
+    if jaccard > 0.0:
+        info.update(checks)
     return labels, info
 
 

@@ -28,8 +28,9 @@ OFFSETS = "docs.offsets.npy"
 TABLE = "table.npz"
 
 
-def write_doc_records(folder: Path, docs: list[dict[str, Any]]) -> None:
-    """A tokenize task's document records (JSON lines with offsets) and its id/source table."""
+def write_doc_records(folder: Path, docs: list[dict[str, Any]], is_val: np.ndarray) -> None:
+    """A tokenize task's document records (JSON lines with offsets) and its id/source/split
+    table."""
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     with atomic_write(folder / RECORDS, "wb") as handle:
         for i, doc in enumerate(docs):
@@ -41,6 +42,7 @@ def write_doc_records(folder: Path, docs: list[dict[str, Any]]) -> None:
         folder / TABLE,
         ids=np.array([d["id"] for d in docs], dtype=str),
         sources=np.array([d["source"] for d in docs], dtype=str),
+        is_val=is_val,
     )
 
 
@@ -102,7 +104,7 @@ def surviving_documents(cfg: PipelineConfig, work: Path, tasks: list[int]) -> Su
         parts["local"].append(np.arange(len(lengths), dtype=np.int32))
         parts["start"].append((np.cumsum(lengths) - lengths).astype(np.int64))
         parts["length"].append(lengths.astype(np.int64))
-        parts["is_val"].append(load_arrays(work / "global" / f"{t:06d}.npz")["val_kept"])
+        parts["is_val"].append(table["is_val"])  # line dedup may have emptied some
         parts["source"].append(np.array([names[s] for s in table["sources"]], dtype=np.int16))
         mix = [unit_interval(cfg.seed, "mix", doc_id) for doc_id in table["ids"].tolist()]
         parts["mix_key"].append(np.array(mix, dtype=np.float64))
