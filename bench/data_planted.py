@@ -21,7 +21,7 @@ repeated line, kiln removes a line from every document once it is in `min_docume
 four-step MinHash dedup (no Jaccard check). Its fastText, KenLM-perplexity and URL filters need
 fasttext, kenlm and pyahocorasick/tldextract, which are not installed: those rows say so.
 
-    python bench/data_planted.py            # full: ~4,600 documents, a few minutes
+    python bench/data_planted.py            # full: ~3,800 documents, a few minutes
     python bench/data_planted.py --tiny     # a few hundred documents, for the test
 """
 
@@ -89,7 +89,7 @@ class Size:
     train_docs: int  # per class for the classifier; the LM's reference is twice this
 
 
-FULL = Size(3000, 300, 150, 150, 150, 400, 60, 1500)
+FULL = Size(2500, 300, 150, 150, 150, 400, 60, 800)
 TINY = Size(120, 30, 12, 12, 12, 40, 4, 150)
 
 
