@@ -18,7 +18,9 @@ it runs offline: C4BadWordsFilter (its LDNOOBW download replaced by the same lis
 PIIFormatter (e-mail and IP only: it has no phone rule, so its phone recall is 0), sentence dedup
 on lines (SentDedupConfig(n_sentences=1, split_sentences=False): it keeps the first copy of a
 repeated line, kiln removes a line from every document once it is in `min_documents`), and its
-four-step MinHash dedup (no Jaccard check). Its fastText, KenLM-perplexity and URL filters need
+four-step MinHash dedup (no Jaccard check), and its SingleBloomFilter beside kiln's Bloom exact
+dedup (planted verbatim copies; kiln's achieved false-positive rate is printed against the rate
+its filter's load implies). Its fastText, KenLM-perplexity and URL filters need
 fasttext, kenlm and pyahocorasick/tldextract, which are not installed: those rows say so.
 
     python bench/data_planted.py            # full: ~3,800 documents, a few minutes
@@ -70,6 +72,7 @@ BOILERPLATE = tuple(
 )
 BAD_SENTENCES = ("The pirate shouted a word like {w} at the sea.",
                  "Someone had written {w} on the old fence.")  # fmt: skip
+BLOOM_RATE = 0.01  # high enough that a few thousand documents show false positives
 # The sample the perplexity cutoffs come from is 1/9 web text: its top decile is the tail.
 PERPLEXITY_TAIL = 90.0
 BINS = ((0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0))
@@ -86,11 +89,12 @@ class Size:
     url: int
     boilerplate_docs: int  # each gets one of BOILERPLATE, round robin
     pairs_per_bin: int
+    exact_copies: int  # verbatim copies of clean stories, for exact dedup
     train_docs: int  # per class for the classifier; the LM's reference is twice this
 
 
-FULL = Size(2500, 300, 150, 150, 150, 400, 60, 800)
-TINY = Size(120, 30, 12, 12, 12, 40, 4, 150)
+FULL = Size(2500, 300, 150, 150, 150, 400, 60, 150, 800)
+TINY = Size(120, 30, 12, 12, 12, 40, 4, 12, 150)
 
 
 # ------------------------------------------------------------------------------------ corpus
@@ -145,6 +149,7 @@ class Planted:
     detail: list[str] = field(default_factory=list)  # low quality: "web" or "salad"
     lines: dict[int, str] = field(default_factory=dict)  # doc -> its planted boilerplate line
     pairs: list[tuple[int, int, float]] = field(default_factory=list)  # (original, copy, J)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (original, verbatim copy)
     blocked: list[str] = field(default_factory=list)
     train_pos: list[str] = field(default_factory=list)
     train_neg: list[str] = field(default_factory=list)
@@ -191,6 +196,8 @@ def plant(size: Size, seed: int = 0) -> Planted:
 
     for _ in range(size.clean):
         p.add(story(), "clean")
+    for i in rng.choice(size.clean, size=size.exact_copies, replace=False).tolist():
+        p.copies.append((i, p.add(p.texts[i], "exact_copy")))
     for i in range(size.low_quality):
         if i % 2:
             p.add(held_web[i], "low_quality", detail="web")
@@ -472,6 +479,68 @@ def line_stage(p: Planted, folder: Path, min_documents: int) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------ Bloom exact dedup
+def kiln_bloom(texts: list[str], rate: float, batch: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """kiln's Bloom exact dedup over tasks of `batch` documents: (seen (n,), filter facts)."""
+    from kiln.data.pipeline.dedup.bloom import BloomFilter, bloom_size, first_seen
+    from kiln.data.pipeline.dedup.exact import exact_key, keys_array
+
+    pairs = keys_array([exact_key(t) for t in texts]).view(np.uint64).reshape(len(texts), 2)
+    bits, probes = bloom_size(len(pairs), rate)
+    bloom = BloomFilter(bits, probes)
+    seen = [first_seen(bloom, pairs[lo : lo + batch]) for lo in range(0, len(pairs), batch)]
+    return np.concatenate(seen), {"bits": bits, "probes": probes, "fill": bloom.fill()}
+
+
+def datatrove_bloom(texts: list[str], folder: Path, rate: float) -> list[bool]:
+    """datatrove's SingleBloomFilter (13-gram shingles, a document whose shingles were > 80%
+    seen is a duplicate), sized for the corpus's shingles at `rate`: which documents it drops."""
+    import xxhash
+    from datatrove.data import Document
+    from datatrove.pipeline.dedup.bloom_filter import BloomFilterConfig, SingleBloomFilter
+
+    words = importlib.import_module("bench.data_filters").peer_tokenizer("whitespace")
+    n = sum(max(len(t.split()) - 12, 0) for t in texts)
+    bits = int(-n * np.log(rate) / np.log(2) ** 2)
+    # datatrove takes a bit index as `hash & m_bytes`, so m_bytes = 2^j - 1 gives it 2^j bits.
+    m_bytes = (1 << max(int(np.ceil(np.log2(bits))), 3)) - 1
+    cfg = BloomFilterConfig(m_bytes=m_bytes, k=max(1, round(bits / max(n, 1) * np.log(2))))
+    bloom = SingleBloomFilter(str(folder / "bloom"), config=cfg, language=words)
+    bloom.hash_fc = lambda s: xxhash.xxh32_intdigest(s.encode("utf-8"))  # the installed xxhash
+    return [not bloom.step(Document(text=t, id=str(i))) for i, t in enumerate(texts)]
+
+
+def bloom_stage(p: Planted, folder: Path, rate: float, batch: int = 100) -> dict[str, Any]:
+    """Bloom exact dedup: planted copies found, unique documents wrongly removed (achieved
+    false-positive rate) against the rate the filter's load implies, kiln and datatrove."""
+    from kiln.data.pipeline.dedup.exact import exact_key
+
+    first: set[bytes] = set()
+    truth = []
+    for t in p.texts:  # an exact duplicate: its key was seen before (what the sort method finds)
+        key = exact_key(t)
+        truth.append(key in first)
+        first.add(key)
+    (seen, facts), k_cpu = cpu(lambda: kiln_bloom(p.texts, rate, batch))
+    peer, p_cpu = cpu(lambda: datatrove_bloom(p.texts, folder, rate))
+    n, unique = len(p.texts), len(truth) - sum(truth)
+    # A task's keys meet the filter holding the keys before the task (Bloom's formula per task).
+    before = np.arange(n) // batch * batch
+    expected = float(
+        np.mean((1 - np.exp(-facts["probes"] * before / facts["bits"])) ** facts["probes"])
+    )
+    kiln = prf(seen.tolist(), truth)
+    return {
+        "stage": f"bloom exact dedup (p = {rate})",
+        "docs": n,
+        "kiln": {**kiln, "docs_per_cpu_s": n / k_cpu, **facts, "rate": rate,
+                 "achieved_false_positive_rate": kiln["fp"] / unique,
+                 "expected_false_positive_rate": expected},
+        "datatrove": {**prf(peer, truth), "docs_per_cpu_s": n / p_cpu},
+        "ratio": p_cpu / k_cpu,
+    }  # fmt: skip
+
+
 # --------------------------------------------------------------------------------- MinHash
 def kiln_clusters(
     texts: list[str], bands: int, rows: int, jaccard: float
@@ -525,12 +594,14 @@ def datatrove_clusters(texts: list[str], folder: Path, bands: int, rows: int) ->
 
 def score_pairs(p: Planted, cluster: np.ndarray, tau: float) -> dict[str, Any]:
     """Pairs merged per Jaccard bin, and precision/recall with duplicates = Jaccard >= tau;
-    merges of documents that are not a planted pair count as false positives."""
+    merges of documents that are neither a planted pair nor a verbatim copy count as false
+    positives."""
     merged = [bool(cluster[a] == cluster[b]) for a, b, _ in p.pairs]
     truth = [j >= tau for _, _, j in p.pairs]
     sizes = Counter(cluster.tolist())
     all_merged = sum(s * (s - 1) // 2 for s in sizes.values())
-    extra = all_merged - sum(merged)
+    copies = sum(bool(cluster[a] == cluster[b]) for a, b in p.copies)
+    extra = all_merged - sum(merged) - copies
     out = prf(merged, truth)
     out["fp"] += extra
     out["precision"] = out["tp"] / (out["tp"] + out["fp"]) if out["tp"] + out["fp"] else 1.0
@@ -575,6 +646,7 @@ def run(size: Size, tau: float = 0.7, min_documents: int = 3) -> dict[str, Any]:
         folder = Path(tmp)
         rows, info = doc_stages(planted, folder)
         rows.append(line_stage(planted, folder, min_documents))
+        rows.append(bloom_stage(planted, folder, BLOOM_RATE))
         rows.append(minhash_stage(planted, folder, tau, 14, 8))
         rows.append(minhash_stage(planted, folder, tau, 20, 5))
     return {
@@ -623,6 +695,15 @@ def report(r: dict[str, Any]) -> str:
         if "recall_by_kind" in row["kiln"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["kiln"]["recall_by_kind"].items())
             out.append(f"- {row['stage']}: kiln recall by kind of low-quality text: {parts}")
+        if "achieved_false_positive_rate" in row["kiln"]:
+            k = row["kiln"]
+            out.append(
+                f"- {row['stage']}: kiln's filter {k['bits']:,} bits, {k['probes']} probes, fill "
+                f"{k['fill']:.3f}; achieved false-positive rate {k['achieved_false_positive_rate']:.4f} "
+                f"of unique documents vs {k['expected_false_positive_rate']:.4f} expected from "
+                f"its load (tasks of 100 documents); datatrove's is a shingle-level filter "
+                f"(a document > 80% of whose 13-grams were seen is dropped)"
+            )
         if "kiln_lsh" in row:
             bins = " / ".join(f"{lo}-{hi}" for lo, hi in BINS)
             out.append(f"- {row['stage']}: share of planted pairs merged per bin ({bins}):")

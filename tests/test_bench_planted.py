@@ -23,6 +23,8 @@ def test_tiny_planted_bench_runs_and_verification_removes_false_positives() -> N
     assert loose["kiln"]["precision"] == 1.0 > loose["kiln_lsh"]["precision"]
     assert loose["kiln"]["recall"] == loose["kiln_lsh"]["recall"]
     assert rows["line_dedup"]["kiln"]["recall"] == 1.0
+    bloom = rows["bloom exact dedup (p = 0.01)"]["kiln"]
+    assert bloom["recall"] == 1.0 and bloom["achieved_false_positive_rate"] < 0.05
     assert rows["pii_phone"]["kiln"]["recall"] == 1.0
     assert rows["pii_phone"]["datatrove"]["recall"] == 0.0  # no phone rule there
     assert "ratio" in rows["bad_words"] and "missing" in rows["classifier"]["datatrove"]
