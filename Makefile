@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-kernels test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
+.PHONY: demo storyteller test test-kernels test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 
 demo: $(STAMP)
 	$(VENV)/bin/kiln demo
+
+# From nothing to a served chat model: `kiln demo --chat` (30 min on 2 cores; a second `make
+# storyteller` resumes a killed run or reuses a finished one), then the server and its page.
+storyteller: $(STAMP)
+	if [ -f runs/storyteller/stages.json ]; then $(VENV)/bin/kiln demo --chat --out runs/storyteller --resume; \
+	else $(VENV)/bin/kiln demo --chat --out runs/storyteller; fi
+	$(VENV)/bin/kiln serve runs/storyteller/align
 
 test: $(STAMP)
 	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q -m "not slow"

@@ -20,11 +20,11 @@ import math
 import os
 import re
 import time
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
+from kiln.io import asset
 from kiln.tokenizer.special import EOT
 
 if TYPE_CHECKING:  # torch-heavy modules are imported inside the steps that need them
@@ -38,17 +38,18 @@ DEMO_ENTRIES = {DEMO_MARKER, "tokenizer.json", "data", "train", "report"}
 DEMO_SAMPLE = "Once upon a time, a little robot named Kiln baked 3 loaves of bread. It's warm!"
 
 
-def asset(name: str) -> Path:
-    """Path of a file shipped in kiln/assets/."""
-    return Path(str(resources.files("kiln") / "assets" / name))
-
-
 def _step(n: int, text: str) -> None:
     print(f"\n[{n}/5] {text}", flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the five stages and say where everything was written."""
+    if args.chat:
+        from kiln.demo_chat import run_chat_demo
+
+        return run_chat_demo(args)
+    if args.resume:
+        raise KilnError("--resume continues a `kiln demo --chat` run; the plain demo starts over")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     _check_arguments(args)
     _prepare_out(out, args.force)
@@ -288,7 +289,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         "run the whole path on the embedded TinyStories corpus",
         "examples:\n  kiln demo --out runs/demo\n  kiln demo --minutes 2   # a quick look\n"
-        "  kiln demo --steps 20    # exactly 20 steps",
+        "  kiln demo --steps 20    # exactly 20 steps\n"
+        "  kiln demo --chat        # on to a chat model: SFT, GRPO, success tables (30 min)",
         description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
         "shards, train a small Llama-style model on the CPU, report its validation loss and "
         "sample three stories; everything goes under one run folder.",
@@ -299,7 +301,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--minutes",
         type=float,
         help="training time budget in minutes (default: the demo config's 10; evaluation, "
-        "sampling and checkpoints not counted)",
+        "sampling and checkpoints not counted); with --chat the whole chain's (default 30)",
     )
     length.add_argument("--steps", type=int, help="train exactly this many steps (no budget)")
     parser.add_argument("--story-tokens", type=int, default=160, help="tokens per story")
@@ -308,4 +310,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", help="run folder (default runs/demo-<timestamp>)")
     parser.add_argument("--force", action="store_true", help="replace a folder kiln demo made")
+    from kiln.demo_chat import add_chat_arguments
+
+    add_chat_arguments(parser)
     parser.set_defaults(handler=run_demo)

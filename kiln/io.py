@@ -1,4 +1,5 @@
-"""File I/O shared by every stage: atomic writes, hashing, and readers for compressed inputs."""
+"""File I/O shared by every stage: atomic writes, hashing, readers for compressed inputs, and the
+files kiln ships in kiln/assets/."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
 from kiln.errors import KilnError, json_error_reason
 
 COMPRESSED_SUFFIXES = (".gz", ".zst", ".bz2")
+
+
+def asset(name: str) -> Path:
+    """Path of a file shipped in kiln/assets/."""
+    return Path(str(resources.files("kiln") / "assets" / name))
 
 
 def strip_compression(path: str | os.PathLike[str]) -> str:

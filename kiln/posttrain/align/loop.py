@@ -9,6 +9,7 @@ files; the loop's own settings are one section of the config; RNG states make re
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from kiln.checkpoint_format import (
 )
 from kiln.config import require
 from kiln.model.config import ModelConfig
+from kiln.train.budget import parse_duration
 from kiln.train.checkpoint import TrainState, capture_rng, restore_rng, save_checkpoint
 from kiln.train.metrics import MetricsLog
 
@@ -48,11 +50,15 @@ class LoopConfig:
     seed: int = 0
     save_every: int = 50
     keep_last: int = 2
+    # Wall seconds of updates ("90s", "5m"); the loop stops at `steps` or here, whichever first.
+    time_budget: float | str | None = None
 
     def __post_init__(self) -> None:
         """Reject settings that cannot run, naming the field."""
         for name in ("steps", *self.COUNTS, "save_every", "keep_last"):
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget, f"{self.SECTION}.time_budget")
         self.require(self.lr > 0, "lr", "must be > 0")
         self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         self.require(self.grad_clip > 0, "grad_clip", "must be > 0")
@@ -60,6 +66,13 @@ class LoopConfig:
 
     def check(self) -> None:
         """The loop's own checks, after the shared ones (none here)."""
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """`time_budget` in seconds, or None when only `steps` bounds the run."""
+        if self.time_budget is None:
+            return None
+        return parse_duration(self.time_budget, f"{self.SECTION}.time_budget")
 
     def require(self, ok: bool, name: str, expected: str) -> None:
         """A ConfigError `section.name <expected>, got <value>` unless `ok`."""
@@ -88,6 +101,7 @@ class PosttrainRun:
         section: str,
         settings: dict[str, Any],
         extra: dict[str, nn.Module] | None = None,
+        seconds: float = 0.0,
     ) -> Path:
         """Write the checkpoint of `step` atomically (settings recorded as config[section]).
 
@@ -97,7 +111,7 @@ class PosttrainRun:
         if isinstance(getattr(model, "cfg", None), ModelConfig):
             config["model"] = model.cfg.to_dict()
         state = TrainState(
-            step=step, tokens=0, cursor={"step": step}, config=config,
+            step=step, tokens=0, cursor={"step": step, "seconds": seconds}, config=config,
             dataset=self.base_state.get("dataset", {}), rng={"0": capture_rng()},
         )  # fmt: skip
         files = {f"{name}.safetensors": unique_tensors(m)[0] for name, m in (extra or {}).items()}
@@ -107,8 +121,8 @@ class PosttrainRun:
 
     def resume(
         self, model: nn.Module, optimizer: Any, extra: dict[str, nn.Module] | None = None
-    ) -> int | None:
-        """Load the latest checkpoint into model, optimizer and extras; its step, or None."""
+    ) -> tuple[int, float] | None:
+        """Load the latest checkpoint into model, optimizer and extras; (step, seconds) or None."""
         latest = latest_checkpoint(self.checkpoints)
         if latest is None:
             return None
@@ -120,7 +134,7 @@ class PosttrainRun:
         restore_rng(state["rng"]["0"])
         step = int(state["step"])
         self.metrics.truncate_after(step)
-        return step
+        return step, float(state.get("cursor", {}).get("seconds", 0.0))
 
 
 def epoch_slice(n: int, k: int, step: int, seed: int) -> list[int]:
@@ -147,6 +161,8 @@ class PosttrainLoop:
     cfg: LoopConfig
     run_dir: PosttrainRun
     step: int = 0
+    seconds: float = 0.0  # wall seconds spent in updates, across resumes (what time_budget counts)
+    out_of_time: bool = False
 
     def extra_modules(self) -> dict[str, nn.Module]:
         """Modules saved in their own files beside the model (none by default)."""
@@ -156,15 +172,15 @@ class PosttrainLoop:
         """Checkpoint the model (loadable as a model), the extras, optimizer and RNG."""
         return self.run_dir.save(
             self.step, self.model, self.optimizer, self.section, asdict(self.cfg),
-            self.extra_modules(),
+            self.extra_modules(), self.seconds,
         )  # fmt: skip
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint if there is one; True when it did."""
-        step = self.run_dir.resume(self.model, self.optimizer, self.extra_modules())
-        if step is None:
+        resumed = self.run_dir.resume(self.model, self.optimizer, self.extra_modules())
+        if resumed is None:
             return False
-        self.step = step
+        self.step, self.seconds = resumed
         return True
 
     def train_step(self) -> dict[str, Any]:
@@ -172,10 +188,17 @@ class PosttrainLoop:
         raise NotImplementedError
 
     def run(self) -> list[dict[str, Any]]:
-        """Train until cfg.steps, checkpointing every save_every steps and at the end."""
+        """Train until cfg.steps or the time budget; checkpoint every save_every and at the end."""
         records = []
+        budget = self.cfg.budget_seconds
         while self.step < self.cfg.steps:
+            if budget is not None and self.seconds >= budget:  # also a resumed run already spent
+                self.out_of_time = True
+                break
+            started = time.perf_counter()
             records.append(self.train_step())
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+            self.seconds += time.perf_counter() - started
+            spent = budget is not None and self.seconds >= budget
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or spent:
                 self.save()
         return records

@@ -374,6 +374,7 @@ def run_from_config(
     last = records[-1] if records else {}
     shown = ", ".join(f"{k} {last[k]:.4g}" for k in (*SHOWN[kind], "val_accuracy") if k in last)
     return (
-        f"kiln {kind}: {'resumed, ' if resumed else ''}{trainer.step:,} steps in {run_dir}"
+        f"kiln {kind}: {'resumed, ' if resumed else ''}{trainer.step:,} steps"
+        f"{' (its time budget ran out)' if trainer.out_of_time else ''} in {run_dir}"
         f" ({shown}){f'; curves in {picture}' if picture else ''}"
     )

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln import config as cfgio
 from kiln.cli import main
 from kiln.config import ConfigError
+from kiln.posttrain.align import loop as loop_module
 from kiln.posttrain.align.dpo import DPOConfig
-from kiln.posttrain.align.loop import LoopConfig
+from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun
 from kiln.posttrain.align.reward_model import RewardConfig
 from kiln.posttrain.align.rl import RLConfig
 from kiln.posttrain.align.run import RUN_CONFIGS
@@ -68,3 +70,46 @@ def test_the_command_refuses_a_bad_shared_setting_naming_it(
     assert main(args) == 2
     assert "rl.save_every must be >= 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+class _TenSecondSteps(PosttrainLoop):
+    """A loop whose every update takes ten seconds of a fake clock."""
+
+    section = "loop"
+
+    def __init__(self, cfg: LoopConfig, out: Path, clock: list[float]) -> None:
+        self.model = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.cfg, self.run_dir, self.clock = cfg, PosttrainRun(out, None, cfg.keep_last), clock
+
+    def train_step(self) -> dict[str, int]:
+        self.step += 1
+        self.clock[0] += 10.0
+        return {"step": self.step}
+
+
+def test_a_time_budget_stops_the_loop_and_a_resumed_run_counts_what_was_spent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(loop_module.time, "perf_counter", lambda: clock[0])
+    cfg = LoopConfig(steps=100, save_every=50, time_budget="25s")
+    first = _TenSecondSteps(cfg, tmp_path, clock)
+    first.run()
+    assert (first.step, first.out_of_time) == (3, True)  # 30 s >= 25 s after the third update
+    assert (tmp_path / "checkpoints" / "step_3").is_dir()  # saved where it stopped
+    again = _TenSecondSteps(cfg, tmp_path, clock)
+    assert again.resume() and again.seconds == 30.0
+    again.run()
+    assert (again.step, again.out_of_time) == (3, True)  # the budget was spent: no more updates
+    longer = _TenSecondSteps(
+        LoopConfig(steps=100, save_every=50, time_budget="1m"), tmp_path, clock
+    )
+    longer.resume()
+    longer.run()
+    assert longer.step == 6
+
+
+def test_a_bad_time_budget_names_the_loops_field() -> None:
+    with pytest.raises(ConfigError, match=r"rl\.time_budget"):
+        RLConfig(time_budget="soon")
