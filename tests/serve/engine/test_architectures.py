@@ -238,3 +238,14 @@ def test_recurrent_draft_model_is_refused(models) -> None:
     with pytest.raises(KilnError, match="draft model has recurrent layers"):
         Engine(target, None, _config(batch_invariant=False),
                drafter=ModelDrafter(model_for("hybrid-MDA", models)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mla-qrank-sinks-window", "softcaps"])
+def test_speculative_steps_verify_in_the_new_attention_paths(name, models, make_engine) -> None:
+    model = model_for(name, models)
+    prompts = [p * 3 for p in random_prompts(3, 3, 6, 300, seed=16)]  # repeats: lookup drafts
+    engine = make_engine(model, block_size=4, prefill_chunk=8, batch_invariant=False,
+                         drafter=LookupDrafter())  # fmt: skip
+    out = engine.generate(prompts, GREEDY)
+    assert engine.stats().draft_tokens > 0
+    assert [c[0].token_ids for c in out] == reference(model, prompts, 12)
