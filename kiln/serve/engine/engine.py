@@ -9,6 +9,12 @@ decode attention in fixed tiles of sequences, so on CPU a request's logits are b
 whatever else is in the batch (see `invariant.py`; docs/engine.md lists what it was verified
 under and what it costs).
 
+Every architecture kiln.model builds is served (docs/engine.md, "Architectures"): MLA from its
+latent cache with absorbed weights, sinks and soft-caps in the paged attention, sliding windows
+that release the blocks behind every layer's window, and recurrent layers (Mamba-2, Gated
+DeltaNet, hybrids) with a per-sequence state slot (state_pool.py) beside the KV blocks of the
+attention layers; prefix caching is off for recurrent models (their state is not cached).
+
 With a drafter (drafters.py) the step speculates: each decoding sequence's last token and up to
 k draft tokens are checked in the same one forward (a k+1-token segment of the packed row), the
 accepted drafts and one more token are committed to the sequence and its blocks, the rejected

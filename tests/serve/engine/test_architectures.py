@@ -148,7 +148,7 @@ def test_blocks_out_of_every_window_return_to_the_pool(make_engine) -> None:
             freed_seen |= FREED in seq.blocks
         stats = engine.stats()
         assert stats.blocks_used + stats.blocks_free == stats.blocks_total
-    # A window of 6 over blocks of 4 spans at most 3 blocks (+1 being filled), whatever the
+    # A window of 6 over blocks of 4 spans at most ceil(5 / 4) + 1 = 3 blocks, whatever the
     # length (up to 60 tokens = 15 blocks each).
     assert freed_seen and most_held <= 3
     out = [h.result()[0].token_ids for h in handles]
