@@ -41,6 +41,7 @@ class Sequence:
     keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of full blocks
     finished: bool = False
     state: int | None = None  # recurrent-state slot while running (models with recurrent layers)
+    dropped: int = 0  # leading table entries already checked against the sliding window
 
     @property
     def decoding(self) -> bool:
@@ -214,7 +215,7 @@ class Scheduler:
         """Free seq's blocks and put it at the head of the waiting queue, to be recomputed."""
         self.running.remove(seq)
         self.pool.release(seq.blocks)
-        seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+        seq.blocks, seq.num_computed, seq.registered, seq.dropped = [], 0, 0, 0
         self._drop_state(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -265,7 +266,9 @@ class Scheduler:
         num_computed sees keys from num_computed - window + 1 on)."""
         assert self.window is not None
         first_needed = seq.num_computed - self.window + 1
-        for i in range(max(0, first_needed) // self.pool.block_size):
+        behind = max(0, first_needed) // self.pool.block_size
+        for i in range(seq.dropped, behind):
             if seq.blocks[i] != FREED:
                 self.pool.release([seq.blocks[i]])
                 seq.blocks[i] = FREED
+        seq.dropped = max(seq.dropped, behind)
