@@ -13,7 +13,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.model.generate import generate
-from kiln.serve.engine import Engine, EngineConfigError
+from kiln.serve.engine import Engine, EngineConfig, EngineConfigError
 from kiln.serve.engine.block_pool import (
     FREED,
     decompressed_kv_bytes_per_token,
@@ -110,7 +110,7 @@ def test_kv_bytes_per_token_is_the_pools_real_allocation(dtype) -> None:
     mla, gqa = llama_small(mla=MLA), llama_small()
     for cfg in (mla, gqa):
         model = build(cfg).to(dtype)
-        engine = Engine(model, None, _config(num_blocks=10, block_size=4))
+        engine = Engine(model, None, EngineConfig(num_blocks=10, block_size=4))
         pool = engine.pool
         stored = pool.k.numel() + (0 if pool.v is None else pool.v.numel())
         slots = (pool.num_blocks + 2) * pool.block_size  # the zero and scratch blocks too
@@ -122,12 +122,6 @@ def test_kv_bytes_per_token_is_the_pools_real_allocation(dtype) -> None:
     assert kv_bytes_per_token(gqa, dtype) == n_layer * 2 * gqa.kv_heads * gqa.head_size * size
     per_head = mla.n_head * (mla.qk_head_dim + mla.v_head_dim)
     assert decompressed_kv_bytes_per_token(mla, dtype) == n_layer * per_head * size
-
-
-def _config(**kw):
-    from kiln.serve.engine import EngineConfig
-
-    return EngineConfig(**kw)
 
 
 # --------------------------------------------------------------------------- sliding window
@@ -227,7 +221,7 @@ def test_recurrent_n_samples_fork_the_prompt_state(models, make_engine) -> None:
 
 def test_speculation_with_recurrent_layers_is_refused_in_one_line(models) -> None:
     with pytest.raises(EngineConfigError, match=r"layer_pattern = 'MDA'.*without a drafter"):
-        Engine(model_for("hybrid-MDA", models), None, _config(batch_invariant=False),
+        Engine(model_for("hybrid-MDA", models), None, EngineConfig(batch_invariant=False),
                drafter=LookupDrafter())  # fmt: skip
 
 
@@ -236,7 +230,7 @@ def test_recurrent_draft_model_is_refused(models) -> None:
 
     target = model_for("mla", models)
     with pytest.raises(KilnError, match="draft model has recurrent layers"):
-        Engine(target, None, _config(batch_invariant=False),
+        Engine(target, None, EngineConfig(batch_invariant=False),
                drafter=ModelDrafter(model_for("hybrid-MDA", models)))  # fmt: skip
 
 
