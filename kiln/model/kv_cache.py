@@ -6,7 +6,8 @@ imports nothing from generation; `KVCache` is the fixed-batch cache `kiln.model.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -52,8 +53,23 @@ class PagedAttentionCache(AttentionCache, Protocol):
 
     positions: Tensor  # (B, T): each token's position in its own sequence
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, *,
+        scale: float | None = None, sinks: Tensor | None = None, softcap: float | None = None,
+    ) -> Tensor:  # fmt: skip
         """Store k, v (B, H_kv, T, D); attention output (B, H, T, D) of q over each own prefix."""
+        ...
+
+    def attend_latent(
+        self, layer: int, q: Tensor, kv: Tensor, v_dim: int, window: int | None, *,
+        scale: float, sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """MLA: store kv (B, 1, T, R + r); attention (B, H, T, v_dim) over the cached kv, whose
+        first v_dim columns are the values (q arrives absorbed into the latent space)."""
+        ...
+
+    def scan(self, layer: int, core: Callable[..., Any], *inputs: Tensor) -> Tensor:
+        """A recurrent layer's core(*inputs, state=..., one_step=...) per sequence, its state kept."""
         ...
 
 

@@ -84,12 +84,10 @@ class CausalSelfAttention(nn.Module):
         """Attention output (B, T, C) of x (B, T, C) (or of its fused projection qkv)."""
         B, T, _ = x.shape
         q, k, v = self.heads(x, rope, qkv)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
-        own_softmax = self.sinks is not None or self.softcap is not None
-        if cache is not None and hasattr(cache, "attend") and not own_softmax:
-            if self.scale is not None:  # the paged kernels scale by 1/√D: fold ours into q
-                q = q * (self.scale * self.head_dim**0.5)
-            y = cache.attend(self.layer, q, k, v, self.window)  # a paged cache attends itself
-        else:  # sinks and soft-caps need kiln's own attend: a paged cache then refuses
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache attends itself
+            y = cache.attend(self.layer, q, k, v, self.window, scale=self.scale,
+                             sinks=self.sinks, softcap=self.softcap)  # fmt: skip
+        else:
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, D): the whole prefix so far
             y = attend(

@@ -187,27 +187,48 @@ class Mamba2Mixer(nn.Module):
     ) -> Tensor:
         """(B, T, C) -> (B, T, C); with a cache, continue its state (chunked, or one step)."""
         B, T, _ = x.shape
+        z, xbc, dt = self.w_in(x).split([self.inner, self.conv_dim, self.n_heads], dim=-1)
+        if cache is not None and hasattr(cache, "scan"):  # a ragged batch: per-sequence states
+            y = cache.scan(self.layer, self.scan, xbc, dt)
+        else:
+            y, state = self.scan(xbc, dt, state=_recurrent_state(cache, self.layer),
+                                 one_step=cache is not None and T == 1,
+                                 valid=padding_mask(cache, B, T, x.device))  # fmt: skip
+            if cache is not None:
+                cache.set_recurrent(self.layer, *state)
+        y = self.norm(y, z)
+        return self.out_proj(y.to(x.dtype))
+
+    def scan(
+        self, xbc: Tensor, dt: Tensor, *, state: tuple[Tensor, Tensor] | None = None,
+        one_step: bool = False, valid: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:  # fmt: skip
+        """The recurrent core after `state`: y (B, T, inner) in fp32 and the new (conv, SSM) state.
+
+        xbc (B, T, conv_dim) and dt (B, T, H) are in_proj's slices; one_step takes the recurrent
+        form (decoding), else the chunked one.
+        """
+        B, T, _ = xbc.shape
         H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
-        z, xbc, dt = self.w_in(x).split([self.inner, self.conv_dim, H], dim=-1)
-        state = _recurrent_state(cache, self.layer)
         conv_state, h0 = (None, None) if state is None else state
-        xbc, conv_state = causal_conv(
-            xbc, self.conv, conv_state, padding_mask(cache, B, T, x.device)
-        )
+        xbc, conv_state = causal_conv(xbc, self.conv, conv_state, valid)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
         A = -torch.exp(self.A_log.float())  # (H,)
         args = (xs, dt, A, Bm.reshape(B, T, G, N), Cm.reshape(B, T, G, N))
-        if cache is not None and T == 1:
+        if one_step:
             y, h = ssd_recurrent(*args, h0=h0)
         else:
             y, h = ssd_chunked(*args, self.chunk, h0)
-        if cache is not None:
-            cache.set_recurrent(self.layer, conv_state, h)
         y = y + xs.float() * self.D.float()[:, None]  # (B, T, H, P)
-        y = self.norm(y.reshape(B, T, self.inner), z)
-        return self.out_proj(y.to(x.dtype))
+        return y.reshape(B, T, self.inner), (conv_state, h)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-sequence (conv state, SSM state) shapes: constant whatever the length."""
+        return (self.conv_dim, self.conv.kernel_size[0] - 1), (
+            self.n_heads, self.head_dim, self.state_size,
+        )  # fmt: skip
 
 
 # ---- Gated DeltaNet -----------------------------------------------------------------------------
@@ -303,24 +324,42 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, D, w = self.n_heads, self.head_dim, self.width
         qkv, z, b, a = self.w_in(x).split([3 * w, w, H, H], dim=-1)
-        state = _recurrent_state(cache, self.layer)
+        if cache is not None and hasattr(cache, "scan"):  # a ragged batch: per-sequence states
+            o = cache.scan(self.layer, self.scan, qkv, b, a)
+        else:
+            o, state = self.scan(qkv, b, a, state=_recurrent_state(cache, self.layer),
+                                 one_step=cache is not None and T == 1,
+                                 valid=padding_mask(cache, B, T, x.device))  # fmt: skip
+            if cache is not None:
+                cache.set_recurrent(self.layer, *state)
+        o = self.norm(o.view(B, T, H, D), z.reshape(B, T, H, D))  # (B, T, H, D)
+        return self.out_proj(o.reshape(B, T, w).to(x.dtype))
+
+    def scan(
+        self, qkv: Tensor, b: Tensor, a: Tensor, *, state: tuple[Tensor, Tensor] | None = None,
+        one_step: bool = False, valid: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:  # fmt: skip
+        """The recurrent core after `state`: o (B, T, H·D) in fp32 and the new (conv, S) state."""
+        B, T, _ = qkv.shape
+        H, D, w = self.n_heads, self.head_dim, self.width
         conv_state, S0 = (None, None) if state is None else state
-        qkv, conv_state = causal_conv(
-            qkv, self.conv, conv_state, padding_mask(cache, B, T, x.device)
-        )
+        qkv, conv_state = causal_conv(qkv, self.conv, conv_state, valid)
         q, k, v = (t.reshape(B, T, H, D).float() for t in qkv.split(w, dim=-1))
         q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + L2_EPS) * D**-0.5
         k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + L2_EPS)
         beta = torch.sigmoid(b.float())  # (B, T, H)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, H)
-        if cache is not None and T == 1:
+        if one_step:
             o, S = delta_rule_recurrent(q, k, v, beta, g, S0)
         else:
             o, S = delta_rule_chunked(q, k, v, beta, g, self.chunk, S0)
-        if cache is not None:
-            cache.set_recurrent(self.layer, conv_state, S)
-        o = self.norm(o, z.reshape(B, T, H, D))  # (B, T, H, D)
-        return self.out_proj(o.reshape(B, T, w).to(x.dtype))
+        return o.reshape(B, T, w), (conv_state, S)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-sequence (conv state, delta-rule state) shapes: constant whatever the length."""
+        return (self.conv_dim, self.conv.kernel_size[0] - 1), (
+            self.n_heads, self.head_dim, self.head_dim,
+        )  # fmt: skip
 
 
 def make_mixer(cfg: ModelConfig, layer: int) -> nn.Module:

@@ -207,22 +207,16 @@ def run_sample(args: argparse.Namespace) -> int:
 def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Iterator[Any]:
     """The sample's token events from the serving engine (this is the CLI layer: it may).
 
-    A model the paged cache cannot hold (MLA, attention sinks) decodes with kiln.model.generate.
+    Every architecture runs on the engine; a drafter is refused for recurrent layers.
     """
-    from kiln.config import ConfigError
     from kiln.serve.engine import Engine, EngineConfig, SamplingParams, check_servable
 
     stop = args.stop_id if args.stop_id is not None else list(loaded.stop_ids)
     stop = [i for i in stop if i >= 0]  # a negative --stop-id matches nothing: no stop at all
     try:
-        check_servable(loaded.model.cfg)
-    except ConfigError as exc:
-        if args.draft is not None:
-            raise KilnError(
-                f"--draft needs the engine, which cannot serve this model: {exc}"
-            ) from None
-        yield from _generate_events(loaded, ids, args, stop)
-        return
+        check_servable(loaded.model.cfg, speculative=args.draft is not None)
+    except KilnError as exc:
+        raise KilnError(f"--draft: {exc}") from None
     drafter = drafter_from_args(args, loaded, "kiln sample")
     config = EngineConfig(max_num_seqs=1, prefix_caching=False,
                           num_blocks=-(-(len(ids) + args.max_tokens) // 16),
@@ -242,25 +236,6 @@ def _engine_events(loaded: Any, ids: list[int], args: argparse.Namespace) -> Ite
         rate = f" ({done.acceptance_rate:.0%})" if done.acceptance_rate is not None else ""
         print(f"\nkiln sample: drafts accepted {done.accepted}/{done.drafted}{rate}",
               file=sys.stderr)  # fmt: skip
-
-
-def _generate_events(
-    loaded: Any, ids: list[int], args: argparse.Namespace, stop: list[int]
-) -> Iterator[Any]:
-    """Token events from kiln.model.generate's one-prompt decoding, whole characters only."""
-    import codecs
-    from types import SimpleNamespace
-
-    from kiln.model.generate import stream
-
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    tok = loaded.tokenizer
-    with loaded.autocast():
-        for token in stream(loaded.model, ids, args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stop_tokens=stop):  # fmt: skip
-            text = utf8.decode(tok.decode_bytes([token])) if tok is not None else ""
-            yield SimpleNamespace(token_id=token, text=text)
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -210,13 +210,14 @@ def test_a_hybrid_trains() -> None:
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_engine_and_mesh_refuse_recurrent_layers_in_one_line() -> None:
+def test_engine_speculation_and_mesh_refuse_recurrent_layers_in_one_line() -> None:
     from kiln.serve.engine import check_servable
     from kiln.train.parallelize import _check_mesh_supports
 
     cfg = hybrid("MDA")
+    check_servable(cfg)  # the engine serves it (tests/serve/engine/test_architectures.py)...
     with pytest.raises(KilnError, match="layer_pattern = 'MDA'"):
-        check_servable(cfg)
+        check_servable(cfg, speculative=True)  # ...but not speculatively
     for shape in ({"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}):
         with pytest.raises(KilnError, match="layer_pattern = 'MDA'"):
             _check_mesh_supports(cfg, shape)

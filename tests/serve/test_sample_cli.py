@@ -72,30 +72,52 @@ def test_sample_errors_are_clear(hf_dir: Path, tmp_path: Path) -> None:
         run(["sample", str(hf_dir), "--prompt", "hello"])
 
 
+SSM = {"state_size": 8, "head_dim": 16, "n_groups": 2, "chunk_size": 4}
+
+
 @pytest.mark.parametrize(
     "overrides",
-    [{"mla": {"kv_rank": 16, "rope_dim": 8}}, {"attn_sinks": True}],
-    ids=["mla", "sinks"],
-)
-def test_a_model_the_engine_cannot_page_samples_through_generate(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: dict
+    [{"mla": {"kv_rank": 16, "rope_dim": 8}}, {"attn_sinks": True},
+     {"layer_pattern": "M", "mlp": "none", "ssm": SSM},
+     {"n_layer": 3, "layer_pattern": "MDA", "ssm": SSM}],
+    ids=["mla", "sinks", "mamba2", "hybrid"],
+)  # fmt: skip
+def test_every_architecture_samples_through_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: dict, monkeypatch
 ) -> None:
     from kiln.model import ModelConfig
     from kiln.model.transformer import Transformer
-    from kiln.serve.engine import Engine, EngineConfigError
+    from kiln.serve.engine import Engine
     from kiln.train.checkpoint import TrainState, save_checkpoint
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny", vocab_size=64, block_size=32, **overrides))
-    with pytest.raises(EngineConfigError, match=r"model\.mla|model\.attn_sinks"):
-        Engine(model.eval(), None)
     state = TrainState(step=1, tokens=0, cursor={}, config={"model": model.cfg.to_dict()},
                        dataset={})  # fmt: skip
     save_checkpoint(tmp_path / "checkpoints", model, {}, state, scheduler={}, keep_last=1)
+    steps = []
+    real_step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: steps.append(1) or real_step(self))
     assert run(["sample", str(tmp_path / "checkpoints" / "step_1"), "--prompt-ids", "5,6,7",
                 "--max-tokens", "6", "--temperature", "0", "--dtype", "fp32"]) == 0  # fmt: skip
     printed = [int(t) for t in capsys.readouterr().out.split()]
     assert printed == generate(model.eval(), [[5, 6, 7]], 6, temperature=0)[0]
+    assert steps  # the engine decoded it
+
+
+def test_sample_refuses_a_draft_for_recurrent_layers(tmp_path: Path) -> None:
+    from kiln.model import ModelConfig
+    from kiln.model.transformer import Transformer
+    from kiln.train.checkpoint import TrainState, save_checkpoint
+
+    model = Transformer(ModelConfig.preset("tiny", vocab_size=64, block_size=32,
+                                           layer_pattern="MA", ssm=SSM))  # fmt: skip
+    state = TrainState(step=1, tokens=0, cursor={}, config={"model": model.cfg.to_dict()},
+                       dataset={})  # fmt: skip
+    save_checkpoint(tmp_path / "checkpoints", model, {}, state, scheduler={}, keep_last=1)
+    with pytest.raises(KilnError, match=r"--draft: .*layer_pattern = 'MA'"):
+        run(["sample", str(tmp_path / "checkpoints" / "step_1"), "--prompt-ids", "5,6,7",
+             "--max-tokens", "6", "--dtype", "fp32", "--draft", "ngram"])  # fmt: skip
 
 
 @pytest.mark.parametrize("draft", ["ngram", "self:1", "model"])

@@ -84,8 +84,8 @@ def engine_sample(
 ) -> list[list[tuple[list[int], str]]] | None:
     """Each prompt's `n` samples (ids, finish reason), all batched on the inference engine.
 
-    None when the engine's paged cache cannot hold the model (MLA, attention sinks): the caller
-    falls back to kiln.model.generate's fixed batch. Each sample draws from its own seeded
+    None when the engine refuses the model (check_servable; today it serves every architecture
+    kiln.model builds): the caller then falls back to kiln.model.generate's fixed batch. Each sample draws from its own seeded
     generator, so the batch-invariant tiles are not needed and are off (they cost several times
     the decode time).
     """

@@ -1,8 +1,12 @@
 """The fixed pool of KV blocks: preallocated tensors, reference counts, the prefix cache.
 
-Keys and values of every layer live in two tensors (n_layer, H_kv, num_blocks, block_size, D):
-GQA stores only the KV heads, and a block's slice of one layer (H_kv, block_size, D) sits next
-to the other blocks of that head, so gathering a block table is one index per layer.
+Keys and values of every attention layer live in two tensors (n_attn, H_kv, num_blocks,
+block_size, D): GQA stores only the KV heads, and a block's slice of one layer (H_kv, block_size,
+D) sits next to the other blocks of that head, so gathering a block table is one index per layer.
+An MLA model stores one tensor (n_attn, 1, num_blocks, block_size, R + r): the normed latent and
+the shared RoPE key of each token, the latent doubling as the values (absorbed-weight attention,
+see kiln/model/mla.py); `v` is then None. Recurrent layers (Mamba-2, Gated DeltaNet) store
+nothing here: their per-sequence state lives in state_pool.py.
 
 A full block whose tokens are all computed can be registered under the hash of its tokens and
 of everything before it (block-aligned prefix caching). Registered blocks that no sequence holds
@@ -22,10 +26,36 @@ from kiln.model.config import ModelConfig
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the key before it, this block's token ids)
 
 
-def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
+FREED = -1  # a block-table entry whose block fell wholly out of every layer's sliding window
+
+
+def attention_layers(cfg: ModelConfig) -> list[int]:
+    """The layers that keep keys and values (every one but the recurrent mixers)."""
+    return [i for i in range(cfg.n_layer) if cfg.layer_mixer(i) == "attention"]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the engine's pool stores per token, over all attention layers.
+
+    GQA: 2·H_kv·D per layer (keys and values); MLA: R + r (the latent, which is also the
+    values, and the RoPE key); recurrent layers: nothing (their state is per sequence).
+    """
+    heads, k_dim, v_dim = cfg.kv_cache_dims
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.n_layer * cfg.kv_heads * block_size * cfg.head_size * itemsize
+    return len(attention_layers(cfg)) * heads * (k_dim + v_dim) * itemsize
+
+
+def decompressed_kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes per token a per-head K/V cache of the same model would hold (MLA decompressed)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    heads = cfg.n_head if cfg.mla is not None else cfg.kv_heads
+    width = cfg.qk_head_dim + cfg.v_head_dim
+    return len(attention_layers(cfg)) * heads * width * itemsize
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all attention layers (0 for a purely recurrent model)."""
+    return kv_bytes_per_token(cfg, dtype) * block_size
 
 
 def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int) -> list[BlockKey]:
@@ -54,9 +84,15 @@ class BlockPool:
         # Two extra blocks, never handed out: one stays all zeros (padded reads point at it, so
         # a masked key always holds finite values: 0 weight x stale NaN would still be NaN),
         # the other takes the writes of padding tokens.
-        shape = (cfg.n_layer, cfg.kv_heads, num_blocks + 2, block_size, cfg.head_size)
+        layers = attention_layers(cfg)
+        self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> pool row
+        heads, k_dim, v_dim = cfg.kv_cache_dims
+        self.latent = cfg.mla is not None  # one [latent | RoPE key] tensor, values inside it
+        shape = (len(layers), heads, num_blocks + 2, block_size, k_dim)
+        if self.latent:
+            shape = (*shape[:-1], k_dim + v_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = None if self.latent else torch.zeros(shape, device=device, dtype=dtype)
         self.zero_slot = num_blocks * block_size  # the first slot of the zero block
         self.scratch_block = num_blocks + 1
         self.num_blocks = num_blocks
@@ -104,6 +140,8 @@ class BlockPool:
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one hold on each block; unheld blocks go to the cache if registered, else free."""
         for block in blocks:
+            if block == FREED:
+                continue
             self.refs[block] -= 1
             if self.refs[block] < 0:
                 raise RuntimeError(f"KV block {block} released more often than held")
@@ -133,14 +171,16 @@ class BlockPool:
     def copy(self, src: int, dst: int) -> None:
         """Copy one block's keys and values (copy-on-write of a forked sample's last block)."""
         self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        if self.v is not None:
+            self.v[:, :, dst] = self.v[:, :, src]
 
     def audit(self, tables: Iterable[Sequence[int]]) -> None:
         """Check the books: holds equal the tables' entries; free, idle and held partition."""
         expected = [0] * self.num_blocks
         for table in tables:
             for block in table:
-                expected[block] += 1
+                if block != FREED:
+                    expected[block] += 1
         if expected != self.refs:
             bad = next(
                 i for i, (a, b) in enumerate(zip(expected, self.refs, strict=True)) if a != b

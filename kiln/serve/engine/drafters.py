@@ -134,6 +134,12 @@ class ModelDrafter:
                 f"the draft model is on {self.device}, the target on "
                 f"{next(target.parameters()).device}: load both on one device"
             )
+        if self.model.cfg.has_recurrent_layers:
+            raise KilnError(
+                f"the draft model has recurrent layers (model.layer_pattern = "
+                f"{self.model.cfg.layer_pattern!r}); its state cannot roll back rejected drafts: "
+                "draft with an attention model or --draft ngram"
+            )
         # Each sequence needs no more draft blocks than target blocks.
         self.pool = BlockPool(self.model.cfg, num_blocks, block_size, device=self.device,
                               dtype=self.dtype)  # fmt: skip

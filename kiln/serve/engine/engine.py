@@ -9,6 +9,12 @@ decode attention in fixed tiles of sequences, so on CPU a request's logits are b
 whatever else is in the batch (see `invariant.py`; docs/engine.md lists what it was verified
 under and what it costs).
 
+Every architecture kiln.model builds is served (docs/engine.md, "Architectures"): MLA from its
+latent cache with absorbed weights, sinks and soft-caps in the paged attention, sliding windows
+that release the blocks behind every layer's window, and recurrent layers (Mamba-2, Gated
+DeltaNet, hybrids) with a per-sequence state slot (state_pool.py) beside the KV blocks of the
+attention layers; prefix caching is off for recurrent models (their state is not cached).
+
 With a drafter (drafters.py) the step speculates: each decoding sequence's last token and up to
 k draft tokens are checked in the same one forward (a k+1-token segment of the packed row), the
 accepted drafts and one more token are committed to the sequence and its blocks, the rejected
@@ -36,7 +42,7 @@ from kiln.config import ConfigError, require
 from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
 from kiln.serve.engine import speculative
-from kiln.serve.engine.block_pool import BlockPool, block_bytes
+from kiln.serve.engine.block_pool import FREED, BlockPool, attention_layers, block_bytes
 from kiln.serve.engine.invariant import ROWS, TiledMatmuls, pad_rows
 from kiln.serve.engine.paged_cache import PagedStep, Segment
 from kiln.serve.engine.requests import Completion, RequestHandle, TokenEvent
@@ -50,6 +56,7 @@ from kiln.serve.engine.sampling import (
 )
 from kiln.serve.engine.scheduler import Scheduler, Work
 from kiln.serve.engine.scheduler import Sequence as Seq
+from kiln.serve.engine.state_pool import StatePool
 from kiln.serve.engine.stop import TextStream
 
 if TYPE_CHECKING:
@@ -157,28 +164,27 @@ class _Request:
     cancelled: bool = False
 
 
-def check_servable(cfg: ModelConfig) -> None:
-    """Refuse, before any request, a model whose attention the paged cache cannot hold.
+def check_servable(cfg: ModelConfig, *, speculative: bool = False) -> None:
+    """Refuse, before any request, what the engine cannot run (only speculation, now).
 
-    The block pool stores per-head keys and values of one width; MLA caches a latent instead,
-    and sink logits need kiln's own softmax, which the paged attention does not apply.
+    Every attention kind (GQA, MLA from its latent, sinks, soft-caps, sliding windows) and the
+    recurrent layers are served; speculative steps are refused with recurrent layers, whose
+    state cannot roll back rejected drafts.
     """
-    if cfg.mla is not None:
+    if speculative and cfg.has_recurrent_layers:
         raise EngineConfigError(
-            "the engine's paged KV cache holds per-head keys and values; an MLA model (model.mla) "
-            "caches a latent instead: generate with kiln.model.generate (kiln sample does)"
+            f"speculative decoding (a drafter) needs to roll back rejected drafts, and the "
+            f"recurrent state of model.layer_pattern = {cfg.layer_pattern!r} cannot be rolled "
+            "back: serve this model without a drafter"
         )
-    if cfg.has_recurrent_layers:
-        raise EngineConfigError(
-            f"the engine's paged KV cache holds no recurrent state for Mamba-2 / Gated DeltaNet "
-            f"layers (model.layer_pattern = {cfg.layer_pattern!r}): generate with "
-            "kiln.model.generate (kiln sample does)"
-        )
-    if cfg.attn_sinks:
-        raise EngineConfigError(
-            "the engine's paged attention has no sink logits (model.attn_sinks): generate with "
-            "kiln.model.generate (kiln sample does) or kiln.model.streaming"
-        )
+
+
+def sliding_window_horizon(cfg: ModelConfig) -> int | None:
+    """The widest window when every attention layer has one (older blocks can be freed)."""
+    windows = {cfg.layer_window(i) for i in attention_layers(cfg)}
+    if not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
 
 
 class Engine:
@@ -204,7 +210,7 @@ class Engine:
         self.device = param.device
         cfg = model.cfg
         c = self.config
-        check_servable(cfg)
+        check_servable(cfg, speculative=drafter is not None)
         if drafter is not None and c.batch_invariant:
             raise EngineConfigError(
                 "engine.batch_invariant and a drafter are exclusive: whether a step speculates "
@@ -212,13 +218,16 @@ class Engine:
                 "request's tokens) would depend on the batch; set batch_invariant=False"
             )
         per_block = block_bytes(cfg, c.block_size, param.dtype)
+        enough = c.max_num_seqs * -(-cfg.block_size // c.block_size)  # all sequences at full length
         if c.num_blocks is not None:
             num_blocks = c.num_blocks
+        elif per_block == 0:  # no attention layer: the block tables are bookkeeping only
+            num_blocks = enough
         else:
             memory = c.kv_cache_bytes or c.default_kv_bytes
             num_blocks = memory // per_block - 2  # the pool keeps a zero and a scratch block
             if c.kv_cache_bytes is None:  # the default: no more than all sequences can use
-                num_blocks = min(num_blocks, c.max_num_seqs * -(-cfg.block_size // c.block_size))
+                num_blocks = min(num_blocks, enough)
         if num_blocks < 1:
             raise EngineConfigError(
                 f"engine.kv_cache_bytes = {c.kv_cache_bytes} holds no KV block "
@@ -228,9 +237,16 @@ class Engine:
         self.drafter = drafter
         if drafter is not None:
             drafter.setup(model, num_blocks, c.block_size)
+        # Recurrent layers: a state slot per running sequence; a cached prefix would need the
+        # state at its end, which is not kept, so prefix caching is off for these models.
+        self.states: StatePool | None = None
+        if cfg.has_recurrent_layers:
+            self.states = StatePool(model, c.max_num_seqs, self.device,
+                                    invariant=c.batch_invariant)  # fmt: skip
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=c.max_num_seqs, max_tokens_per_step=c.max_tokens_per_step,
-            prefill_chunk=c.prefill_chunk, prefix_caching=c.prefix_caching,
+            prefill_chunk=c.prefill_chunk, prefix_caching=c.prefix_caching and self.states is None,
+            states=self.states, window=sliding_window_horizon(cfg),
         )  # fmt: skip
         self._lock = threading.Lock()  # guards the inbox, cancellations and counters
         self._step_lock = threading.Lock()  # one step at a time
@@ -526,15 +542,15 @@ class Engine:
         for w in work:
             extra = drafts.get(w.seq, [])
             tokens += w.seq.tokens[w.start : w.end] + extra
-            segments.append(Segment(tuple(w.seq.blocks), w.start, w.end + len(extra)))
+            segments.append(Segment(tuple(w.seq.blocks), w.start, w.end + len(extra), w.seq.state))
             if w.sample:
                 rows += range(len(tokens) - 1 - len(extra), len(tokens))
         pad = 0
         if self.config.batch_invariant:  # whole tiles: elementwise ops and norms see them too
             pad = pad_rows(len(tokens), self.config.invariant_rows) - len(tokens)
         idx = torch.tensor(tokens + [0] * pad, dtype=torch.long, device=self.device)[None]
-        cache = PagedStep(self.pool, segments, self.device,
-                          invariant=self.config.batch_invariant, pad_tokens=pad)  # fmt: skip
+        cache = PagedStep(self.pool, segments, self.device, invariant=self.config.batch_invariant,
+                          pad_tokens=pad, states=self.states)  # fmt: skip
         tiles = contextlib.nullcontext()
         if self.config.batch_invariant:
             tiles = TiledMatmuls(self.config.invariant_rows)
@@ -604,7 +620,8 @@ class Engine:
             self.scheduler.add(seq)  # recomputed (prefix-cache hits permitting) when admitted
             return False
         for block in parent.blocks[:full]:
-            self.pool.retain(block)
+            if block != FREED:  # fallen out of the sliding window already
+                self.pool.retain(block)
         seq.blocks = list(parent.blocks[:full])
         if partial:  # copy-on-write: each sample writes its own tokens into the last block
             block = self.pool.allocate()
@@ -613,6 +630,10 @@ class Engine:
         seq.num_computed = parent.prompt_len
         seq.registered = min(parent.registered, full)
         seq.keys = parent.keys[:full]
+        self.scheduler.start_state(seq)
+        if seq.state is not None:  # the parent's state after the prompt is the child's too
+            assert self.states is not None and parent.state is not None
+            self.states.copy(parent.state, seq.state)
         self.scheduler.running.append(seq)
         return True
 
@@ -736,5 +757,9 @@ class Engine:
         with self._step_lock:
             seqs = [*self.scheduler.running, *self.scheduler.waiting]
             self.pool.audit(s.blocks for s in seqs)
+            if self.states is not None:
+                self.states.audit(s.state for s in self.scheduler.running)
+                if any(s.state is not None for s in self.scheduler.waiting):
+                    raise AssertionError("a waiting sequence holds a recurrent state slot")
             if self.drafter is not None:
                 self.drafter.audit()

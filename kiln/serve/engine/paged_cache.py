@@ -15,19 +15,32 @@ of them. Attention first writes the new keys and values into the block pool, the
   over the longest length instead (fused SDPA is not batch-invariant with 2 threads);
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
   that depend only on the segment (the scheduler cuts chunks at fixed positions).
+
+Sink logits and score soft-caps (gpt-oss, Gemma 2) go into the same explicit softmax (prefill
+segments then use kiln's math attention instead of SDPA). An MLA layer calls `attend_latent`: its
+cached [latent | RoPE key] is one key head, the latent's first R columns its values, and the
+queries arrive already multiplied into the latent space (absorbed weights, kiln/model/mla.py), so
+no step decompresses the cache into per-head keys and values. Recurrent layers call `scan`
+(state_pool.py): each segment continues its own sequence's state. Table entries FREED (blocks
+that fell out of every sliding window) read the zero block, which the window masks anyway.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kiln.model.attention import attention_mask
-from kiln.serve.engine.block_pool import BlockPool
+from kiln.model.attention import attention_mask, math_attention
+from kiln.serve.engine.block_pool import FREED, BlockPool
+
+if TYPE_CHECKING:
+    from kiln.serve.engine.state_pool import StatePool
 
 PAD = 16  # decode keys are padded to a multiple of this (a multiple of any SIMD width)
 SEQ_TILE = 4  # invariant decode attention: sequences per batched call (dummies fill the last)
@@ -40,6 +53,7 @@ class Segment:
     table: tuple[int, ...]
     start: int
     end: int
+    state: int | None = None  # the sequence's recurrent-state slot (models with recurrent layers)
 
 
 def _slots(table: tuple[int, ...], n: int, bs: int) -> Tensor:
@@ -62,9 +76,17 @@ class PagedStep:
         *,
         invariant: bool = True,
         pad_tokens: int = 0,
+        states: StatePool | None = None,
     ) -> None:
         bs = pool.block_size
+        zero_block = pool.zero_slot // bs
+        segments = [
+            Segment(tuple(zero_block if b == FREED else b for b in s.table), s.start, s.end, s.state)
+            for s in segments
+        ]  # fmt: skip
         self.pool = pool
+        self.states = states
+        self.segments = segments
         self.invariant = invariant  # decode attention whose rows do not depend on the batch
         self.device = device
         positions: list[int] = []
@@ -94,7 +116,7 @@ class PagedStep:
                 self.prefill.append((seg, _slots(seg.table, seg.end, bs).to(device), at, at + T))
             at += T
         self.n_tokens = at
-        zero_block = pool.zero_slot // bs
+        self.pad_tokens = pad_tokens
         if invariant:
             buckets: dict[int, list[int]] = {}
             for i, seg in enumerate(decode):
@@ -162,53 +184,104 @@ class PagedStep:
             self._valid[key] = valid
         return self._valid[key]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, *,
+        scale: float | None = None, sinks: Tensor | None = None, softcap: float | None = None,
+    ) -> Tensor:  # fmt: skip
         """Store k, v (1, H_kv, N, D) in the pool; attention (1, H, N, D) of every segment."""
         # Plain tensor code, no linear layers: skip torch-function modes (e.g. BatchInvariant)
         # whose per-op Python dispatch would otherwise cost more than these small ops.
         with torch._C.DisableTorchFunction():
-            pk, pv = self.pool.k[layer], self.pool.v[layer]  # (H_kv, num_blocks, bs, D)
+            i = self.pool.index[layer]
+            pk, pv = self.pool.k[i], self.pool.v[i]  # (H_kv, num_blocks, bs, D)
             pk[:, self.slot_block, self.slot_offset] = k[0].to(pk.dtype)
             pv[:, self.slot_block, self.slot_offset] = v[0].to(pv.dtype)
             H_kv, D = pk.size(0), pk.size(-1)
             flat_k, flat_v = pk.view(H_kv, -1, D), pv.view(H_kv, -1, D)
-            q3 = q[0]  # (H, N, D)
-            out = torch.zeros_like(q3)  # padding rows stay zero
-            for g in range(len(self.decode)):
-                rows, n = self.decode[g][0], self.decode[g][3]
-                out.index_copy_(1, rows[:n], self._decode(g, q3, flat_k, flat_v, window)[:, :n])
-            gqa = q3.size(0) != H_kv
-            for i, (_, slots, a, b) in enumerate(self.prefill):
-                keys = flat_k.index_select(1, slots).to(q.dtype)  # (H_kv, S, D)
-                values = flat_v.index_select(1, slots).to(q.dtype)
-                mask = self._mask(i, window)
+            return self._attend(q[0], flat_k, flat_v, window, scale, sinks, softcap)[None]
+
+    def attend_latent(
+        self, layer: int, q: Tensor, kv: Tensor, v_dim: int, window: int | None, *,
+        scale: float, sinks: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Store kv (1, 1, N, R + r); attention (1, H, N, R) of q (1, H, N, R + r) over it.
+
+        The values are the keys' first v_dim columns (MLA's latent): one stored copy.
+        """
+        with torch._C.DisableTorchFunction():
+            pk = self.pool.k[self.pool.index[layer]]  # (1, num_blocks, bs, R + r)
+            pk[:, self.slot_block, self.slot_offset] = kv[0].to(pk.dtype)
+            flat_k = pk.view(1, -1, pk.size(-1))
+            flat_v = flat_k[..., :v_dim]
+            return self._attend(q[0], flat_k, flat_v, window, scale, sinks, None)[None]
+
+    def scan(self, layer: int, core: Callable[..., tuple[Tensor, tuple[Tensor, Tensor]]],
+             *inputs: Tensor) -> Tensor:  # fmt: skip
+        """A recurrent layer's core over each segment, from and into its sequence's state."""
+        assert self.states is not None, "a model with recurrent layers needs the engine's states"
+        return self.states.scan(self, layer, core, inputs)
+
+    def _attend(
+        self, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None,
+        scale: float | None, sinks: Tensor | None, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
+        """Attention (H, N, Dv) of the packed queries q3 (H, N, D) over the pool's flat keys."""
+        H_kv = flat_k.size(0)
+        out = q3.new_zeros(q3.size(0), q3.size(1), flat_v.size(-1))  # padding rows stay zero
+        for g in range(len(self.decode)):
+            rows, n = self.decode[g][0], self.decode[g][3]
+            part = self._decode(g, q3, flat_k, flat_v, window, scale, sinks, softcap)
+            out.index_copy_(1, rows[:n], part[:, :n])
+        gqa = q3.size(0) != H_kv
+        for i, (_, slots, a, b) in enumerate(self.prefill):
+            keys = flat_k.index_select(1, slots).to(q3.dtype)  # (H_kv, S, D)
+            values = flat_v.index_select(1, slots).to(q3.dtype)
+            mask = self._mask(i, window)
+            if sinks is None and softcap is None:
                 out[:, a:b] = F.scaled_dot_product_attention(
                     q3[:, a:b], keys, values, attn_mask=mask, is_causal=mask is None,
-                    enable_gqa=gqa,
+                    enable_gqa=gqa, scale=scale,
                 )  # fmt: skip
-        return out[None]  # (1, H, N, D)
+            else:  # the explicit softmax: sinks and soft-caps, as kiln.model.attention has them
+                out[:, a:b] = math_attention(
+                    q3[None, :, a:b], keys[None], values[None],
+                    None if mask is None else mask[None], scale=scale, sinks=sinks,
+                    softcap=softcap,
+                )[0]  # fmt: skip
+        return out
 
     def _decode(
-        self, g: int, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None
-    ) -> Tensor:
-        """Attention (H, B, D) of decode group g's rows over their padded keys."""
+        self, g: int, q3: Tensor, flat_k: Tensor, flat_v: Tensor, window: int | None,
+        scale: float | None, sinks: Tensor | None, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
+        """Attention (H, B, Dv) of decode group g's rows over their padded keys."""
         rows, slots, _, _ = self.decode[g]
         B, S = slots.shape
         H, D = q3.size(0), q3.size(-1)
-        H_kv = flat_k.size(0)
+        H_kv, Dv = flat_k.size(0), flat_v.size(-1)
         idx = slots.view(-1)
         # Batch dims (H_kv, B): the gathered keys are contiguous as they come (a strided batch
         # would let the matmul choose other kernels, and other bits, for other B).
         keys = flat_k.index_select(1, idx).view(H_kv, B, S, D)
-        values = flat_v.index_select(1, idx).view(H_kv, B, S, D)
+        values = flat_v.index_select(1, idx).view(H_kv, B, S, Dv)
         valid = self._decode_valid(g, window)[None, :, None, :]  # (1, B, 1, S); padding: zeros
-        query = q3.index_select(1, rows).view(H_kv, H // H_kv, B, D).transpose(1, 2)
+        group = H // H_kv
+        query = q3.index_select(1, rows).view(H_kv, group, B, D).transpose(1, 2)
         query = query.to(keys.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
-        if not self.invariant:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid)
+        explicit = sinks is not None or softcap is not None
+        if not self.invariant and not explicit:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid, scale=scale)
         else:
-            scores = query @ keys.transpose(-2, -1) * (1.0 / math.sqrt(D))  # (H_kv, B, g, S)
-            scores = scores.masked_fill(~valid, float("-inf"))
-            out = torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
-        # (H_kv, B, g, D) -> (H, B, D) with query head h = kv * g + j
-        return out.transpose(1, 2).reshape(H, B, D).to(q3.dtype)
+            scale = 1.0 / math.sqrt(D) if scale is None else scale
+            scores = query @ keys.transpose(-2, -1) * scale  # (H_kv, B, g, S)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            scores = scores.masked_fill(~valid, float("-inf")).float()
+            if sinks is None:
+                weights = torch.softmax(scores, dim=-1)
+            else:  # one more logit per head with no value: the head may attend to nothing
+                sink = sinks.float().view(H_kv, 1, group, 1).expand(H_kv, B, group, 1)
+                weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]
+            out = weights.to(values.dtype) @ values
+        # (H_kv, B, g, Dv) -> (H, B, Dv) with query head h = kv * g + j
+        return out.transpose(1, 2).reshape(H, B, Dv).to(q3.dtype)

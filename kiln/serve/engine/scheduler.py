@@ -6,16 +6,25 @@ multiples of `prefill_chunk` in the sequence, whatever else runs in the step, so
 the same way alone or in a crowd (part of what keeps a request's numbers batch-independent).
 When a decoding sequence needs a block and none is left, the newest running sequence is
 preempted: its blocks are released and it is recomputed from its tokens when there is room.
+
+With a sliding window on every attention layer (`window`), a block whose tokens all lie before
+the window of the sequence's next query is released as soon as the sequence moves past it; its
+table entry becomes FREED (read as the zero block, which the window masks anyway). A model
+with recurrent layers (`states`) gives each running sequence a state slot from admission until
+it finishes or is preempted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kiln.serve.engine.block_pool import BlockKey, BlockPool, block_keys
+from kiln.serve.engine.block_pool import FREED, BlockKey, BlockPool, block_keys
 from kiln.serve.engine.paged_cache import Segment
+
+if TYPE_CHECKING:
+    from kiln.serve.engine.state_pool import StatePool
 
 
 @dataclass(eq=False)
@@ -31,6 +40,8 @@ class Sequence:
     registered: int = 0  # leading blocks already offered to the prefix cache
     keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of full blocks
     finished: bool = False
+    state: int | None = None  # recurrent-state slot while running (models with recurrent layers)
+    dropped: int = 0  # leading table entries already checked against the sliding window
 
     @property
     def decoding(self) -> bool:
@@ -53,7 +64,7 @@ class Work:
 
     def segment(self) -> Segment:
         """The segment as the paged cache sees it."""
-        return Segment(tuple(self.seq.blocks), self.start, self.end)
+        return Segment(tuple(self.seq.blocks), self.start, self.end, self.seq.state)
 
 
 class Scheduler:
@@ -67,8 +78,12 @@ class Scheduler:
         max_tokens_per_step: int,
         prefill_chunk: int,
         prefix_caching: bool,
+        states: StatePool | None = None,
+        window: int | None = None,
     ) -> None:
         self.pool = pool
+        self.states = states
+        self.window = window  # the widest sliding window when every attention layer has one
         self.max_num_seqs = max_num_seqs
         self.budget = max_tokens_per_step
         self.chunk = prefill_chunk
@@ -90,6 +105,18 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks = []
+        self._drop_state(seq)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        if seq.state is not None:
+            assert self.states is not None
+            self.states.release(seq.state)
+            seq.state = None
+
+    def start_state(self, seq: Sequence) -> None:
+        """Give a sequence entering the running list its (zeroed) recurrent-state slot."""
+        if self.states is not None and seq.state is None:
+            seq.state = self.states.allocate()
 
     def schedule(self) -> list[Work]:
         """The segments of the next step (empty when nothing can run)."""
@@ -188,7 +215,8 @@ class Scheduler:
         """Free seq's blocks and put it at the head of the waiting queue, to be recomputed."""
         self.running.remove(seq)
         self.pool.release(seq.blocks)
-        seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+        seq.blocks, seq.num_computed, seq.registered, seq.dropped = [], 0, 0, 0
+        self._drop_state(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
@@ -210,6 +238,7 @@ class Scheduler:
             return False
         self.prefix_hits += seq.num_computed
         self.waiting.popleft()
+        self.start_state(seq)
         self.running.append(seq)
         self.running.sort(key=lambda s: s.arrival)
         return True
@@ -223,10 +252,23 @@ class Scheduler:
     def computed(self, seq: Sequence, n: int) -> None:
         """Record n more computed tokens of seq and register its newly full blocks."""
         seq.num_computed += n
-        if not self.prefix_caching:
-            return
         full = seq.num_computed // self.pool.block_size
-        if full > seq.registered:
+        if self.prefix_caching and full > seq.registered:
             for i, key in enumerate(self.keys(seq, full)[seq.registered :], seq.registered):
-                self.pool.register(seq.blocks[i], key)
+                if seq.blocks[i] != FREED:
+                    self.pool.register(seq.blocks[i], key)
             seq.registered = full
+        if self.window is not None:
+            self._drop_out_of_window(seq)
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Release the blocks wholly before the window of seq's next query (position
+        num_computed sees keys from num_computed - window + 1 on)."""
+        assert self.window is not None
+        first_needed = seq.num_computed - self.window + 1
+        behind = max(0, first_needed) // self.pool.block_size
+        for i in range(seq.dropped, behind):
+            if seq.blocks[i] != FREED:
+                self.pool.release([seq.blocks[i]])
+                seq.blocks[i] = FREED
+        seq.dropped = max(seq.dropped, behind)
