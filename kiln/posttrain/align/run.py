@@ -312,7 +312,7 @@ def bar_callback(bar: Any, keys: Sequence[str]) -> Callable[[dict[str, Any]], No
 # ---- running a config ---------------------------------------------------------------------------
 
 RUN_CONFIGS: dict[str, type] = {"dpo": DPORunConfig, "reward": RewardRunConfig, "rl": RLRunConfig}
-SHOWN = {"dpo": ("loss", "accuracy"), "reward": ("loss", "accuracy"), "rl": ("reward_mean", "kl")}
+SHOWN = {"dpo": ("loss", "accuracy"), "reward": ("loss", "accuracy"), "rl": ("reward_mean", "kl", "clip_fraction")}
 
 
 def run_from_config(
@@ -330,6 +330,8 @@ def run_from_config(
     from kiln.posttrain.align.rl import RLTrainer
 
     cfg = cfgio.load(RUN_CONFIGS[kind], config_path, overrides)
+    if kind == "rl" and cfg.rl.value_init == "reward" and not cfg.data.reward_model:
+        raise KilnError("rl.value_init = reward: set data.reward_model (the critic starts from it)")
     run_dir = Path(cfg.run_dir)
     prepare_run_dir(run_dir, cfg, resume, force)
     loaded, base_state = load_policy(cfg.policy, run_dir)
@@ -344,9 +346,13 @@ def run_from_config(
     trainer: Any
     if kind == "rl":
         prompts, reward = rl_prompts(cfg.data, loaded, settings.max_new_tokens)
+        value_from = None
+        if settings.algorithm == "ppo" and settings.value_init == "reward":
+            value_from = load_reward_model(find_checkpoint(cfg.data.reward_model))
         trainer = RLTrainer(
             policy, prompts, reward, settings, run_dir, eot_id=require_chat_template(tok, "rl").end_id,
-            reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+            reference=load_reference(cfg.policy), value_from=value_from, base_state=base_state,
+            progress=show,
         )  # fmt: skip
     else:
         pairs = token_pairs(cfg.data.pairs, tok, policy.cfg.block_size)
