@@ -312,7 +312,11 @@ def bar_callback(bar: Any, keys: Sequence[str]) -> Callable[[dict[str, Any]], No
 # ---- running a config ---------------------------------------------------------------------------
 
 RUN_CONFIGS: dict[str, type] = {"dpo": DPORunConfig, "reward": RewardRunConfig, "rl": RLRunConfig}
-SHOWN = {"dpo": ("loss", "accuracy"), "reward": ("loss", "accuracy"), "rl": ("reward_mean", "kl", "clip_fraction")}
+SHOWN = {
+    "dpo": ("loss", "accuracy"),
+    "reward": ("loss", "accuracy"),
+    "rl": ("reward_mean", "kl", "clip_fraction"),
+}
 
 
 def run_from_config(

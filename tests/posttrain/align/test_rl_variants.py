@@ -191,5 +191,5 @@ def test_the_value_model_can_start_from_the_reward_model(tmp_path: Path) -> None
     assert torch.allclose(tr.value(ids), rm(ids))  # the critic's first values are the rewards
     plain = trainer(tmp_path / "plain", algorithm="ppo")
     assert plain.value is not None and not torch.allclose(plain.value(ids), rm(ids))
-    with pytest.raises(KilnError, match="data.reward_model"):
+    with pytest.raises(KilnError, match=r"data\.reward_model"):
         RLTrainer(policy(), prompts(), reward, cfg, tmp_path / "x", eot_id=63)
