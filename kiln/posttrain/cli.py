@@ -343,6 +343,10 @@ def _preferences_command(commands: Any) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (50; 0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--greedy", action="store_true",
+        help="one of the replies is the greedy one (on-policy pairs; pair with a low temperature)",
+    )  # fmt: skip
     p.add_argument("--max-prompts", type=int, default=0, help="first N train prompts (0: all)")
     p.add_argument("--force", action="store_true", help="replace an OUT this command wrote")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -355,7 +359,7 @@ def run_preferences(args: argparse.Namespace) -> int:
 
     cfg = SamplingConfig(
         samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k or None, seed=args.seed,
+        top_k=args.top_k or None, seed=args.seed, greedy=args.greedy,
     )  # fmt: skip
     summary = write_preferences(
         args.model, args.chat, Path(args.out), cfg, args.max_prompts, args.force,

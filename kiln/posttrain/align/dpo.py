@@ -127,6 +127,10 @@ class DPOTrainer(PosttrainLoop):
         self.metrics = self.run_dir.metrics
         self.progress = progress
         self.step = 0
+        self.notes: dict[str, Any] = {}  # extra fields for the next step's log line
+
+    def before_step(self) -> None:
+        """Called before each update (online DPO re-makes its pairs here)."""
 
     def batch_of(self, step: int) -> list[TokenPair]:
         """The pairs of `step` (a pure function of the step and seed)."""
@@ -158,6 +162,7 @@ class DPOTrainer(PosttrainLoop):
 
     def train_step(self) -> dict[str, Any]:
         """One update on the step's pairs; logs and returns its metrics."""
+        self.before_step()
         self.policy.train()
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
@@ -173,8 +178,9 @@ class DPOTrainer(PosttrainLoop):
             "margin": float(out.margins.mean()), "accuracy": out.accuracy,
             "chosen_reward": float(out.chosen_rewards.mean()),
             "rejected_reward": float(out.rejected_rewards.mean()), "grad_norm": float(grad_norm),
-            "chosen_nll": float(out.nll),
+            "chosen_nll": float(out.nll), **self.notes,
         }  # fmt: skip
+        self.notes = {}
         if self.held_out and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
             record |= {f"val_{k}": v for k, v in self.evaluate(self.held_out).items()}
         self.metrics.write(record)

@@ -55,6 +55,7 @@ class PairsSection:
     pairs: str = ""
     heldout: float = 0.1
     seed: int = 0
+    chat: str = ""  # online DPO (dpo.resample_every > 0): the `kiln data chat` folder it samples
 
     def __post_init__(self) -> None:
         """Pairs are required; the held-out share is a fraction."""
@@ -336,6 +337,8 @@ def run_from_config(
     cfg = cfgio.load(RUN_CONFIGS[kind], config_path, overrides)
     if kind == "rl" and cfg.rl.value_init == "reward" and not cfg.data.reward_model:
         raise KilnError("rl.value_init = reward: set data.reward_model (the critic starts from it)")
+    if kind == "dpo" and cfg.dpo.resample_every and not cfg.data.chat:
+        raise KilnError("dpo.resample_every > 0 (online DPO): set data.chat (its prompts)")
     run_dir = Path(cfg.run_dir)
     prepare_run_dir(run_dir, cfg, resume, force)
     loaded, base_state = load_policy(cfg.policy, run_dir)
@@ -361,7 +364,17 @@ def run_from_config(
     else:
         pairs = token_pairs(cfg.data.pairs, tok, policy.cfg.block_size)
         train, held = split_pairs(pairs, cfg.data.heldout, cfg.data.seed)
-        if kind == "dpo":
+        if kind == "dpo" and settings.resample_every:
+            from kiln.chat import iter_conversations
+            from kiln.posttrain.align.online_dpo import OnlineDPOTrainer
+
+            trainer = OnlineDPOTrainer(
+                policy, train, settings, run_dir, held_out=held,
+                reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+                records=list(iter_conversations(split_file(cfg.data.chat, "train"))),
+                tokenizer=tok,
+            )  # fmt: skip
+        elif kind == "dpo":
             trainer = DPOTrainer(
                 policy, train, settings, run_dir, held_out=held,
                 reference=load_reference(cfg.policy), base_state=base_state, progress=show,
