@@ -107,6 +107,11 @@ class RLConfig(LoopConfig):
             "must be >= 2 for grpo (advantages compare samples)",
         )
         self.require(
+            self.algorithm != "reinforce" or self.epochs == 1,
+            "epochs",
+            "must be 1 for reinforce (it has no ratio to correct a reused rollout)",
+        )
+        self.require(
             self.algorithm != "reinforce" or self.baseline == "none" or self.group_size >= 2,
             "group_size",
             "must be >= 2 for reinforce with baseline = group (the baseline is the others' mean)",

@@ -164,6 +164,8 @@ def test_ppo_without_whitening_keeps_the_raw_advantages(tmp_path: Path) -> None:
 def test_bad_switches_are_named(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         RLConfig(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"rl\.epochs must be 1 for reinforce"):
+        RLConfig(algorithm="reinforce", epochs=2)
 
 
 def test_reinforce_raises_the_reward(tmp_path: Path) -> None:
