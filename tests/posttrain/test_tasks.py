@@ -133,7 +133,8 @@ def test_happier_needs_more_joy_less_sorrow_and_the_same_story() -> None:
     assert r is not None
     record = r.to_json()
     assert [m["content"] for m in r.messages if m["role"] == "user"] == [
-        "Tell me a short story.", "Now make it happier."
+        "Tell me a short story.",
+        "Now make it happier.",
     ]
     assert record["params"]["previous_sad"] == 3  # lost, sad, cried
     good = "Tom found his red kite in the tall tree. He was happy and smiled. His dog barked."
