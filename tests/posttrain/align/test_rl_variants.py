@@ -195,3 +195,16 @@ def test_the_value_model_can_start_from_the_reward_model(tmp_path: Path) -> None
     assert plain.value is not None and not torch.allclose(plain.value(ids), rm(ids))
     with pytest.raises(KilnError, match=r"data\.reward_model"):
         RLTrainer(policy(), prompts(), reward, cfg, tmp_path / "x", eot_id=63)
+
+
+def test_ppo_with_several_epochs_per_rollout_learns_faster(tmp_path: Path) -> None:
+    # On the toy task, 8 steps at lr 1e-2: one on-policy pass barely moves the reward (~0.3);
+    # four passes of minibatches (clipping active) reach ~0.6, and the critic explains more.
+    def last3(records: list[dict]) -> float:
+        return sum(r["reward_mean"] for r in records[-3:]) / 3
+
+    common = dict(algorithm="ppo", lr=1e-2, steps=8, save_every=100)
+    one = trainer(tmp_path / "one", epochs=1, minibatch=0, **common).run()
+    four = trainer(tmp_path / "four", epochs=4, minibatch=4, **common).run()
+    assert last3(four) > last3(one) + 0.1, (last3(one), last3(four))
+    assert four[-1]["explained_variance"] > one[-1]["explained_variance"]
