@@ -287,6 +287,7 @@ def run_prune(args: argparse.Namespace) -> int:
 PREFERENCES_EXAMPLES = """examples:
   kiln posttrain preferences runs/sft data/chat data/prefs
   kiln posttrain preferences runs/sft data/chat data/prefs --samples 8 --max-prompts 400 --force
+  kiln posttrain preferences runs/sft data/chat data/prefs-onpolicy --greedy --temperature 0.7
 
 Samples --samples replies per TRAIN prompt of a `kiln data chat` folder (never the held-out
 split), judges them with the task checks, and keeps a pair where one reply does all that was
@@ -296,6 +297,7 @@ and OUT/manifest.json."""
 DPO_EXAMPLES = """examples:
   kiln dpo configs/dpo.toml --set policy.base=runs/sft --set data.pairs=data/prefs/pairs.jsonl
   kiln dpo configs/dpo.toml --set dpo.beta=0.2 --set dpo.loss_type=ipo --set run_dir=runs/ipo
+  kiln dpo configs/dpo.toml --set dpo.rpo_alpha=0.5 --set dpo.resample_every=20 --set data.chat=data/chat
   kiln dpo configs/dpo.toml --resume"""
 
 REWARD_EXAMPLES = """examples:
@@ -305,6 +307,8 @@ REWARD_EXAMPLES = """examples:
 RL_EXAMPLES = """examples:
   kiln rl configs/grpo.toml --set policy.base=runs/sft --set data.chat=data/chat
   kiln rl configs/grpo.toml --set rl.algorithm=ppo --set run_dir=runs/ppo
+  kiln rl configs/grpo.toml --set rl.algorithm=ppo --set rl.epochs=4 --set rl.minibatch=8 --set rl.kl_target=6
+  kiln rl configs/grpo.toml --set rl.loss_norm=constant --set rl.scale_rewards=none   # Dr. GRPO
   kiln rl configs/grpo.toml --set data.reward_model=runs/reward --set data.reward_model_weight=0.5
   kiln rl configs/grpo.toml --resume"""
 
