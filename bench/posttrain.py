@@ -68,7 +68,8 @@ def run_seed(args: argparse.Namespace, seed: int, out: Path) -> dict[str, Path]:
         if not (args.reuse_prefs and (prefs / "manifest.json").is_file()):
             kiln("posttrain", "preferences", args.sft, args.chat, str(prefs), "--seed", str(seed),
                  "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
-                 "--max-prompts", str(args.pref_prompts), "--force", "--no-progress")  # fmt: skip
+                 "--max-prompts", str(args.pref_prompts), "--force", "--no-progress",
+                 *(["--greedy"] if args.greedy_pairs else []))  # fmt: skip
         runs["dpo"] = out / f"dpo-s{seed}"
         dpo(args, seed, prefs, runs["dpo"])
     for algorithm in ("grpo", "ppo"):
@@ -82,9 +83,11 @@ def dpo(args: argparse.Namespace, seed: int, prefs: Path, run: Path) -> None:
     """`kiln dpo` from the SFT model on one seed's pairs."""
     kiln("dpo", str(ROOT / "configs" / "dpo.toml"), "--force", "--no-progress",
          "--set", f"policy.base={args.sft}", "--set", f"data.pairs={prefs / 'pairs.jsonl'}",
+         "--set", f"data.chat={args.chat}",
          "--set", f"run_dir={run}", "--set", f"dpo.steps={args.dpo_steps}",
          "--set", f"dpo.seed={seed}", "--set", f"dpo.lr={args.dpo_lr}",
-         "--set", f"dpo.save_every={args.dpo_steps}")  # fmt: skip
+         "--set", f"dpo.save_every={args.dpo_steps}",
+         *[a for kv in args.dpo_set for a in ("--set", f"dpo.{kv}")])  # fmt: skip
 
 
 def rl(args: argparse.Namespace, seed: int, algorithm: str, run: Path) -> None:
@@ -96,7 +99,8 @@ def rl(args: argparse.Namespace, seed: int, algorithm: str, run: Path) -> None:
          "--set", f"rl.lr={args.rl_lr}", "--set", f"rl.max_new_tokens={args.max_new_tokens}",
          "--set", f"rl.group_size={1 if algorithm == 'ppo' else args.group_size}",
          "--set", f"rl.prompts_per_step={args.prompts_per_step * (args.group_size if algorithm == 'ppo' else 1)}",
-         "--set", f"rl.save_every={args.rl_steps}")  # fmt: skip
+         "--set", f"rl.save_every={args.rl_steps}",
+         *[a for kv in args.rl_set for a in ("--set", f"rl.{kv}")])  # fmt: skip
 
 
 def main() -> int:
@@ -116,6 +120,15 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--limit", type=int, default=20, help="held-out prompts per task")
+    parser.add_argument(
+        "--dpo-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more [dpo] settings, e.g. rpo_alpha=0.5 resample_every=20 (docs/posttrain.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rl-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more [rl] settings, e.g. epochs=4 minibatch=8 kl_target=6 loss_norm=sequence",
+    )  # fmt: skip
+    parser.add_argument("--greedy-pairs", action="store_true", help="preferences --greedy")
     parser.add_argument(
         "--models",
         nargs="+",

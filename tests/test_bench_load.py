@@ -155,6 +155,7 @@ SCRIPTS = {
     "mup": ["--cache", "T/c", "--out-dir", "T/o", "--plot", "T/p.png"],
     "posttrain": ["--sft", "T/sft", "--chat", "T/chat", "--out", "T/o"],
     "posttrain_sft": ["--demo", "T/demo", "--out", "T/o"],
+    "posttrain_trl": ["--tiny", "--out", "T/o"],
     "quantize": ["--out", "T/q.json"],
     "scaling_fit": [],
     "serve": [],

@@ -7,7 +7,8 @@ batching; each reply may use the context its prompt leaves, up to max_tokens), a
 (`kiln.posttrain.tasks.check`) says whether it succeeded. Per task: the success rate with a
 95% Wilson interval (sound at 0 or n successes and for small n), and the mean graded score.
 A prompt that leaves the model fewer than MIN_REPLY_TOKENS of context for its reply is not
-scored and is counted as skipped.
+scored and is counted as skipped. `stopped` counts the replies that ended with the chat format's
+`<|end|>` (or end-of-text) before their token cap: a chat model that has learned to stop.
 """
 
 from __future__ import annotations
@@ -50,12 +51,18 @@ class ChatTaskResult:
     successes: int = 0
     score_sum: float = 0.0
     skipped: int = 0  # prompts too long for the model's context
+    stopped: int = 0  # replies that ended on a stop token before the cap
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
         """Fraction of scored prompts whose reply passed the check."""
         return self.successes / self.n if self.n else 0.0
+
+    @property
+    def stop_rate(self) -> float:
+        """Fraction of scored replies that ended on a stop token before the cap."""
+        return self.stopped / self.n if self.n else 0.0
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -73,7 +80,7 @@ class ChatTaskResult:
         return {
             "n": self.n, "successes": self.successes, "success_rate": self.rate,
             "ci95": [low, high], "mean_score": self.mean_score, "skipped": self.skipped,
-            "samples": self.samples,
+            "stopped": self.stopped, "stop_rate": self.stop_rate, "samples": self.samples,
         }  # fmt: skip
 
 
@@ -142,13 +149,14 @@ def evaluate_chat_tasks(
             replace(settings, max_tokens=min(settings.max_tokens, block - len(ids)))
             for _, ids in batch
         ]
-        outputs = generator.generate([ids for _, ids in batch], budgets)
-        for (record, _), reply_ids in zip(batch, outputs, strict=True):
+        outputs = generator.generate_ended([ids for _, ids in batch], budgets)
+        for (record, _), (reply_ids, ended) in zip(batch, outputs, strict=True):
             reply = tok.decode([i for i in reply_ids if i < tok.n_vocab])
             result = results[record["task"]]
             passed = check(record, reply)
             result.n += 1
             result.successes += passed
+            result.stopped += ended
             result.score_sum += score(record, reply)
             if len(result.samples) < samples_per_task:
                 prompt = record["messages"][-2]["content"]
@@ -178,6 +186,7 @@ def chat_tasks_json(
     for r in results:
         total.n, total.successes = total.n + r.n, total.successes + r.successes
         total.score_sum, total.skipped = total.score_sum + r.score_sum, total.skipped + r.skipped
+        total.stopped += r.stopped
     return {
         "source": source,
         "settings": {
@@ -189,20 +198,24 @@ def chat_tasks_json(
         "all": {k: v for k, v in total.to_json().items() if k != "samples"},
         "seconds": round(seconds, 3),
         "definition": "success: the task's check (kiln.posttrain.tasks) passes on the reply; "
-        "ci95: Wilson score interval; mean_score: the graded score in [0, 1]",
+        "ci95: Wilson score interval; mean_score: the graded score in [0, 1]; stop_rate: the "
+        "share of replies that ended with <|end|> before the token cap",
     }
 
 
 def format_chat_table(doc: dict[str, Any]) -> str:
     """The chat-task rows of `kiln eval`'s table."""
-    header = f"{'chat task':<12} {'n':>5} {'success':>8} {'95% CI':>16} {'score':>6} {'skipped':>8}"
+    header = (
+        f"{'chat task':<12} {'n':>5} {'success':>8} {'95% CI':>16} {'score':>6} {'stopped':>8} "
+        f"{'skipped':>8}"
+    )
     lines = [header, "-" * len(header)]
     rows = [*doc["tasks"].items(), ("all", doc["all"])]
     for name, r in rows:
         low, high = r["ci95"]
         lines.append(
             f"{name:<12} {r['n']:>5} {r['success_rate']:>8.3f} {f'[{low:.3f}, {high:.3f}]':>16} "
-            f"{r['mean_score']:>6.3f} {r['skipped']:>8}"
+            f"{r['mean_score']:>6.3f} {r.get('stop_rate', 0.0):>8.3f} {r['skipped']:>8}"
         )
     lines.append(f"(held-out prompts: {doc['source']}; success = the task's check passes)")
     return "\n".join(lines)

@@ -287,6 +287,7 @@ def run_prune(args: argparse.Namespace) -> int:
 PREFERENCES_EXAMPLES = """examples:
   kiln posttrain preferences runs/sft data/chat data/prefs
   kiln posttrain preferences runs/sft data/chat data/prefs --samples 8 --max-prompts 400 --force
+  kiln posttrain preferences runs/sft data/chat data/prefs-onpolicy --greedy --temperature 0.7
 
 Samples --samples replies per TRAIN prompt of a `kiln data chat` folder (never the held-out
 split), judges them with the task checks, and keeps a pair where one reply does all that was
@@ -296,6 +297,7 @@ and OUT/manifest.json."""
 DPO_EXAMPLES = """examples:
   kiln dpo configs/dpo.toml --set policy.base=runs/sft --set data.pairs=data/prefs/pairs.jsonl
   kiln dpo configs/dpo.toml --set dpo.beta=0.2 --set dpo.loss_type=ipo --set run_dir=runs/ipo
+  kiln dpo configs/dpo.toml --set dpo.rpo_alpha=0.5 --set dpo.resample_every=20 --set data.chat=data/chat
   kiln dpo configs/dpo.toml --resume"""
 
 REWARD_EXAMPLES = """examples:
@@ -305,6 +307,8 @@ REWARD_EXAMPLES = """examples:
 RL_EXAMPLES = """examples:
   kiln rl configs/grpo.toml --set policy.base=runs/sft --set data.chat=data/chat
   kiln rl configs/grpo.toml --set rl.algorithm=ppo --set run_dir=runs/ppo
+  kiln rl configs/grpo.toml --set rl.algorithm=ppo --set rl.epochs=4 --set rl.minibatch=8 --set rl.kl_target=6
+  kiln rl configs/grpo.toml --set rl.loss_norm=constant --set rl.scale_rewards=none   # Dr. GRPO
   kiln rl configs/grpo.toml --set data.reward_model=runs/reward --set data.reward_model_weight=0.5
   kiln rl configs/grpo.toml --resume"""
 
@@ -343,6 +347,10 @@ def _preferences_command(commands: Any) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0)")
     p.add_argument("--top-k", type=int, default=50, help="top-k sampling (50; 0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--greedy", action="store_true",
+        help="one of the replies is the greedy one (on-policy pairs; pair with a low temperature)",
+    )  # fmt: skip
     p.add_argument("--max-prompts", type=int, default=0, help="first N train prompts (0: all)")
     p.add_argument("--force", action="store_true", help="replace an OUT this command wrote")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -355,7 +363,7 @@ def run_preferences(args: argparse.Namespace) -> int:
 
     cfg = SamplingConfig(
         samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k or None, seed=args.seed,
+        top_k=args.top_k or None, seed=args.seed, greedy=args.greedy,
     )  # fmt: skip
     summary = write_preferences(
         args.model, args.chat, Path(args.out), cfg, args.max_prompts, args.force,

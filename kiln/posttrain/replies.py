@@ -99,13 +99,19 @@ class ReplyGenerator:
     ) -> list[list[int]]:
         """The reply ids of every prompt (continuous batching over at most max_batch at once);
         `settings` for all prompts, or one per prompt."""
+        return [ids for ids, _ in self.generate_ended(prompts, settings)]
+
+    def generate_ended(
+        self, prompts: Sequence[list[int]], settings: ReplySettings | Sequence[ReplySettings]
+    ) -> list[tuple[list[int], bool]]:
+        """Like `generate`, with whether each reply ended on a stop id (False: cut at the cap)."""
         each = [settings] * len(prompts) if isinstance(settings, ReplySettings) else settings
         params = [self._params(s) for s in each]
         completions = self._engine_now().generate(list(prompts), params)
         out = []
         for (done,) in completions:
             _raise_on_error([done])
-            out.append(list(done.token_ids))
+            out.append((list(done.token_ids), done.finish_reason == "stop"))
         return out
 
 

@@ -5,8 +5,8 @@ reply a model is fine-tuned on) plus the parameters its check needs. The check i
 that says whether a reply does what was asked: `kiln eval --chat-tasks` counts successes with it
 and reinforcement learning can use `score` as a reward, so both judge alike.
 
-- words:     "Write a story that uses the words A, B and C."  (three of the story's keywords)
-             check: each word appears, as a whole word in any case
+- words:     "Write a story that uses the words A, B and C."  (three keywords of the story's
+             opening, in the story's order)  check: each word appears, as a whole word in any case
 - name:      "Write a story about a girl named N."  (a "girl named X" story, X renamed to N)
              check: N appears, as a whole word
 - continue:  "Continue this story: <first half>"  (the reply: the second half)
@@ -17,6 +17,11 @@ and reinforcement learning can use `score` as a reward, so both judge alike.
 - shorter:   a story, then "Now make it shorter."  (the reply: fewer sentences of that story)
              check: at most 3/4 of the words of the story before it, and two of the target's
              keywords (it retells that story)
+- happier:   a short story, then "Now make it happier."  (the reply: its sad words swapped for
+             happy ones, and a happy ending)  check: more happy words than the story before it,
+             no sad words or fewer, and two of its keywords
+- include:   a short story, then "Now put a <thing> in it."  (the reply: the story with the
+             thing found in it)  check: the thing is named (or its plural), and two keywords
 
 A story's keywords are its content words (not stopwords) that are not common in the corpus
 (in 5% of its stories or more: "happy", "play", "Lily" are in most), so a reply cannot pass by
@@ -184,11 +189,25 @@ def _turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
     return [{"role": role, "content": content} for role, content in pairs]
 
 
+WORDS_WINDOW = 60  # "words": the three words come from the story's first this-many words
+
+
 def _make_words(story: Story) -> Made:
-    rare = [w for w in story.keywords(story.text) if w.isalpha() and w.islower()]
+    """Three of the story's keywords, from its opening, written as the story writes them, listed
+    in the order the story uses them.
+
+    Each choice makes the task learnable by a small model: a word drawn from anywhere in a story
+    of ~160 words had to be carried through a hundred of them (and was often past the row or the
+    reply cap); a name or a sentence-initial word was given lowercased ("lucy"), a different
+    token from the story's "Lucy"; in story order, the reply uses the first word first.
+    """
+    opening = " ".join(story.text.split()[:WORDS_WINDOW])
+    as_written = {w for w in _WORD.findall(opening) if w.islower() and w.isalpha()}
+    rare = [w for w in story.keywords(opening) if w in as_written]
     if len(rare) < 3:
         return None
-    chosen = story.rng.sample(rare, 3)
+    order = words(story.text)
+    chosen = sorted(story.rng.sample(rare, 3), key=order.index)
     prompt = f"Write a story that uses the words {chosen[0]}, {chosen[1]} and {chosen[2]}."
     return _turns(("user", prompt), ("assistant", story.text)), {"words": chosen}
 
@@ -283,6 +302,107 @@ def _score_shorter(params: Params, reply: str) -> float:
     return (length + _keyword_share(params["keywords"], reply)) / 2
 
 
+# ---- refine: a short story, then a change to it (the Storyteller page's "Ask for a change") -----
+
+REFINE_SENTENCES = 4  # the first turn's story: its first sentences, short enough for a second turn
+REFINE_MAX_WORDS = 70
+_HAPPY_TEXT = """happy happily glad joy joyful smile smiled smiles smiling laugh laughed laughing
+    fun love loved hug hugged cheer cheered cheerful excited proud kind friends friend nice great
+    wonderful best yay"""
+_SAD_TEXT = """sad sadly cry cried crying tears angry mad scared afraid upset hurt lonely bad broke
+    broken lost sick worried frown frowned mean sorry fear scary fight"""
+HAPPY_WORDS, SAD_WORDS = frozenset(_HAPPY_TEXT.split()), frozenset(_SAD_TEXT.split())
+# "make it happier": each sad word becomes a happy one, and the story ends happily.
+HAPPIER_SWAPS = {
+    "sad": "happy", "sadly": "happily", "cry": "smile", "cried": "smiled", "crying": "smiling",
+    "tears": "smiles", "angry": "cheerful", "mad": "glad", "scared": "excited",
+    "afraid": "excited", "upset": "glad", "hurt": "fine", "lonely": "happy", "bad": "good",
+    "broke": "fixed", "broken": "fixed", "lost": "found", "sick": "well", "worried": "calm",
+    "frown": "smile", "frowned": "smiled", "mean": "kind", "sorry": "glad", "fear": "joy",
+    "scary": "funny", "fight": "game",
+}  # fmt: skip
+HAPPY_ENDING = "In the end, everyone was happy, and they all smiled and laughed together."
+THINGS = (
+    "dragon", "robot", "rainbow", "balloon", "kite", "puppy", "kitten", "cake", "boat", "star",
+    "hat", "train", "castle", "frog", "owl", "drum", "treasure", "rocket", "unicorn", "bike",
+)  # fmt: skip
+
+
+def _mood(text: str) -> tuple[int, int]:
+    """(happy words, sad words) of a text."""
+    ws = words(text)
+    return sum(w in HAPPY_WORDS for w in ws), sum(w in SAD_WORDS for w in ws)
+
+
+def _short_story(story: Story) -> str | None:
+    parts = sentences(story.text)[:REFINE_SENTENCES]
+    short = " ".join(parts)
+    if len(parts) < 3 or len(words(short)) > REFINE_MAX_WORDS:
+        return None
+    return short
+
+
+def _refine(story: Story, short: str, ask: str, reply: str) -> list[dict[str, str]]:
+    return _turns(("user", "Tell me a short story."), ("assistant", short), ("user", ask),
+                  ("assistant", reply))  # fmt: skip
+
+
+def _make_happier(story: Story) -> Made:
+    short = _short_story(story)
+    if short is None:
+        return None
+
+    def swap(match: re.Match[str]) -> str:
+        word = match.group(0)
+        new = HAPPIER_SWAPS.get(word.lower())
+        if new is None:
+            return word
+        return new.capitalize() if word[0].isupper() else new
+
+    happier = f"{_WORD.sub(swap, short)} {HAPPY_ENDING}"
+    happy, sad = _mood(short)
+    params = {"previous_happy": happy, "previous_sad": sad, "keywords": story.keywords(short)}
+    return _refine(story, short, "Now make it happier.", happier), params
+
+
+def _score_happier(params: Params, reply: str) -> float:
+    """Happier than the story before it (more happy words, fewer or no sad ones), same story."""
+    if not _is_story(reply):
+        return 0.0
+    happy, sad = _mood(reply)
+    more_joy = float(happy > params["previous_happy"])
+    less_sorrow = float(sad == 0 or sad < params["previous_sad"])
+    return (more_joy + less_sorrow + _keyword_share(params["keywords"], reply)) / 3
+
+
+def _make_include(story: Story) -> Made:
+    short = _short_story(story)
+    if short is None:
+        return None
+    present = set(words(story.text))
+    things = [t for t in THINGS if t not in present and t + "s" not in present]
+    if not things:
+        return None
+    thing = story.rng.choice(things)
+    parts = sentences(short)
+    article = "an" if thing[0] in "aeiou" else "a"
+    added = [parts[0], f"One day, they found {article} {thing}.", *parts[1:],
+             f"They loved the {thing}."]  # fmt: skip
+    ask = f"Now put {article} {thing} in it."
+    return _refine(story, short, ask, " ".join(added)), {
+        "thing": thing, "keywords": story.keywords(short),
+    }  # fmt: skip
+
+
+def _score_include(params: Params, reply: str) -> float:
+    """The asked-for thing is in the story (or several of it), which is still the same story."""
+    if not _is_story(reply):
+        return 0.0
+    thing = params["thing"]
+    has = any(_has_word(reply, w) for w in (thing, thing + "s", thing + "es"))
+    return (float(has) + _keyword_share(params["keywords"], reply)) / 2
+
+
 TASKS: dict[str, ChatTask] = {
     t.name: t
     for t in (
@@ -291,6 +411,8 @@ TASKS: dict[str, ChatTask] = {
         ChatTask("continue", "continues the given start", _make_continue, _score_continue),
         ChatTask("sentences", "about K sentences", _make_sentences, _score_sentences),
         ChatTask("shorter", "a shorter retelling", _make_shorter, _score_shorter),
+        ChatTask("happier", "the story, made happier", _make_happier, _score_happier),
+        ChatTask("include", "the story, with a given thing in it", _make_include, _score_include),
     )
 }
 

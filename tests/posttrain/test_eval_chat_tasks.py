@@ -49,7 +49,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
     targets = {}
 
     def oracle(self: object, prompts: list, settings: object) -> list:
-        return [targets[tuple(p)] for p in prompts]
+        return [(targets[tuple(p)], True) for p in prompts]
 
     from kiln.chat import render
 
@@ -57,7 +57,7 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
         prompt = render(r["messages"][:-1], tok, add_generation_prompt=True).ids
         reply = tok.encode(r["messages"][-1]["content"])
         targets[tuple(prompt)] = [*reply, tok.special_tokens["<|end|>"]]
-    monkeypatch.setattr(ReplyGenerator, "generate", oracle)
+    monkeypatch.setattr(ReplyGenerator, "generate_ended", oracle)
     results = evaluate_chat_tasks(model, records, ReplySettings(temperature=0), batch_size=3)
     by_task = {r.task: r for r in results}
     assert sum(r.n + r.skipped for r in results) == len(records)
@@ -74,7 +74,9 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
         assert all(s["passed"] for s in r.samples)
     assert any(r.n for r in by_task.values())
 
-    monkeypatch.setattr(ReplyGenerator, "generate", lambda self, prompts, s: [[] for _ in prompts])
+    monkeypatch.setattr(
+        ReplyGenerator, "generate_ended", lambda self, prompts, s: [([], True) for _ in prompts]
+    )
     empty = evaluate_chat_tasks(model, records, ReplySettings(temperature=0))
     assert all(r.successes == 0 and r.mean_score == 0 for r in empty)
 

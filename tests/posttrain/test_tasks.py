@@ -106,3 +106,61 @@ def test_common_words_are_not_drawn_nor_counted_as_keywords() -> None:
     generic = "Lily was happy with her ball and she played all day long."
     assert check(example.to_json(), "Max ran and brought the ball back to the park.")
     assert not check(example.to_json(), generic)  # only words every story has
+
+
+SAD_STORY = (
+    "Once upon a time, a boy named Tom lost his red kite in the tall tree. He was sad and "
+    "cried. His dog barked at the tree. Tom sat alone under the big tree. Then it got dark."
+)
+
+
+def test_words_come_from_the_opening_as_written_and_in_story_order() -> None:
+    late = "Later the zebra and the walrus visited the volcano near the harbour."
+    story = f"{STORY} {'The sun was warm. ' * 4}{late}"  # the late words: past the first 60
+    assert len(story.split()) - len(late.split()) > 60
+    for seed in range(20):
+        example = make_example("words", story, 1, random.Random(seed))
+        assert example is not None
+        drawn = example.params["words"]
+        assert not {"zebra", "walrus", "volcano", "harbour"} & set(drawn)
+        assert not {"lily", "max", "catch"} & set(drawn)  # only as the story writes them
+        text = story.lower()
+        assert drawn == sorted(drawn, key=lambda w: text.index(w))
+
+
+def test_happier_needs_more_joy_less_sorrow_and_the_same_story() -> None:
+    r = make_example("happier", SAD_STORY, 3, random.Random(0))
+    assert r is not None
+    record = r.to_json()
+    assert [m["content"] for m in r.messages if m["role"] == "user"] == [
+        "Tell me a short story.",
+        "Now make it happier.",
+    ]
+    assert record["params"]["previous_sad"] == 3  # lost, sad, cried
+    good = "Tom found his red kite in the tall tree. He was happy and smiled. His dog barked."
+    fewer = "Tom lost his kite in the tree, but he smiled and was happy. His dog barked."
+    assert check(record, good) and check(record, fewer)
+    unchanged = r.messages[1]["content"]
+    sadder = "Tom lost his kite in the tree and cried and cried. He was sad and angry."
+    elsewhere = "Anna smiled and laughed with her friends at the fun party all day."
+    for bad in (unchanged, sadder, elsewhere, "Happy."):
+        assert not check(record, bad), bad
+    assert "cried" not in r.target and "smiled" in r.target  # the target swapped the sad words
+
+
+def test_include_needs_the_thing_in_the_same_story() -> None:
+    r = make_example("include", STORY, 3, random.Random(0))
+    assert r is not None
+    record = r.to_json()
+    thing = record["params"]["thing"]
+    article = "an" if thing[0] in "aeiou" else "a"
+    assert r.messages[2]["content"] == f"Now put {article} {thing} in it."
+    assert thing not in STORY.lower()
+    good = f"Lily had a red ball and a {thing}. Max the dog ran after the ball in the park."
+    plural = f"Lily had a red ball and two {thing}s. Max the dog ran after the ball in the park."
+    assert check(record, good) and check(record, plural)
+    without = "Lily had a red ball. Max the dog ran after the ball in the park."
+    unrelated = f"The {thing} flew over the moon and the sea at night."
+    for bad in (without, unrelated, f"A {thing}."):
+        assert not check(record, bad), bad
+    assert score(record, without) == pytest.approx(0.5)  # the same story, without the thing

@@ -47,6 +47,17 @@ class DPOConfig(LoopConfig):
     lr: float = 5e-6
     warmup_steps: int = 10
     eval_every: int = 25
+    rpo_alpha: float = 0.0  # > 0: add α · the chosen reply's NLL per token (RPO; trl's rpo_alpha)
+    # Online / iterative DPO: every `resample_every` steps (0: never, the pairs file only) the
+    # pairs are re-made from the current policy's own replies to `resample_prompts` train prompts
+    # of data.chat: `resample_samples` each, one of them greedy when `resample_greedy`, the rest
+    # at `resample_temperature` (low: pairs near the greedy policy, what evaluation sees).
+    resample_every: int = 0
+    resample_prompts: int = 64
+    resample_samples: int = 4
+    resample_temperature: float = 0.7
+    resample_greedy: bool = True
+    resample_max_new_tokens: int = 128
 
     def check(self) -> None:
         """DPO's own settings: a positive beta, a known loss, no negative warmup."""
@@ -55,6 +66,12 @@ class DPOConfig(LoopConfig):
             self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {', '.join(LOSS_TYPES)}"
         )
         self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        self.require(self.rpo_alpha >= 0, "rpo_alpha", "must be >= 0")
+        self.require(self.resample_every >= 0, "resample_every", "must be >= 0 (0: never)")
+        for name in ("resample_prompts", "resample_max_new_tokens"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(self.resample_samples >= 2, "resample_samples", "must be >= 2 (a pair)")
+        self.require(self.resample_temperature > 0, "resample_temperature", "must be > 0")
 
 
 def pair_logprobs(model: Transformer, pairs: Sequence[TokenPair]) -> tuple[Tensor, Tensor]:
@@ -78,7 +95,7 @@ def preference_loss(
     (chosen, rejected), (lc, lr) = pair_logprobs(policy, pairs)
     with torch.no_grad():
         (ref_c, ref_r), _ = pair_logprobs(reference, pairs)
-    return dpo_loss(chosen, rejected, ref_c, ref_r, cfg.beta, cfg.loss_type, lc, lr)
+    return dpo_loss(chosen, rejected, ref_c, ref_r, cfg.beta, cfg.loss_type, lc, lr, cfg.rpo_alpha)
 
 
 class DPOTrainer(PosttrainLoop):
@@ -110,6 +127,10 @@ class DPOTrainer(PosttrainLoop):
         self.metrics = self.run_dir.metrics
         self.progress = progress
         self.step = 0
+        self.notes: dict[str, Any] = {}  # extra fields for the next step's log line
+
+    def before_step(self) -> None:
+        """Called before each update (online DPO re-makes its pairs here)."""
 
     def batch_of(self, step: int) -> list[TokenPair]:
         """The pairs of `step` (a pure function of the step and seed)."""
@@ -141,6 +162,7 @@ class DPOTrainer(PosttrainLoop):
 
     def train_step(self) -> dict[str, Any]:
         """One update on the step's pairs; logs and returns its metrics."""
+        self.before_step()
         self.policy.train()
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
@@ -156,7 +178,9 @@ class DPOTrainer(PosttrainLoop):
             "margin": float(out.margins.mean()), "accuracy": out.accuracy,
             "chosen_reward": float(out.chosen_rewards.mean()),
             "rejected_reward": float(out.rejected_rewards.mean()), "grad_norm": float(grad_norm),
+            "chosen_nll": float(out.nll), **self.notes,
         }  # fmt: skip
+        self.notes = {}
         if self.held_out and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
             record |= {f"val_{k}": v for k, v in self.evaluate(self.held_out).items()}
         self.metrics.write(record)

@@ -5,6 +5,12 @@ log-probabilities of chosen and rejected responses under the policy and a frozen
     DPO:  loss = -log σ(β · (logratio_c - logratio_r))
     IPO:  loss = (logratio_c / |y_c| - logratio_r / |y_r| - 1 / (2β))²   (per-token averages)
 
+With `rpo_alpha` > 0 the loss adds α times the chosen replies' negative log-likelihood per
+token (RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization"; trl's `rpo_alpha`,
+in trl 1.16 `loss_type=["sigmoid", "sft"]` with `loss_weights=[1, α]`): the mean over every
+chosen token of the batch, so DPO cannot lower the chosen reply's likelihood along with the
+rejected one's.
+
 The implicit rewards β·logratio are what the logs report (margin, accuracy).
 """
 
@@ -25,6 +31,7 @@ class DPOOutput:
     """The loss (scalar, differentiable) and the per-pair statistics the logs show."""
 
     loss: Tensor
+    nll: Tensor  # the chosen replies' mean NLL per token (detached; added to loss times rpo_alpha)
     chosen_rewards: Tensor  # (B,) β · logratio of the chosen response (detached)
     rejected_rewards: Tensor  # (B,)
 
@@ -48,10 +55,12 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     chosen_lengths: Tensor | None = None,
     rejected_lengths: Tensor | None = None,
+    rpo_alpha: float = 0.0,
 ) -> DPOOutput:
     """Mean preference loss over pairs from summed response log-probs (B,) of each model.
 
-    IPO needs the response lengths in tokens (it compares per-token averages).
+    IPO needs the response lengths in tokens (it compares per-token averages), and so does the
+    RPO term (`rpo_alpha` > 0: α · the chosen replies' NLL per token).
     """
     if beta <= 0:
         raise KilnError(f"dpo beta must be > 0, got {beta}")
@@ -68,8 +77,17 @@ def dpo_loss(
             min=1
         ) - rejected_ratio / rejected_lengths.clamp(min=1)
         per_pair = (delta - 1 / (2 * beta)) ** 2
+    loss = per_pair.mean()
+    nll = -policy_chosen.sum() / (
+        chosen_lengths.sum().clamp(min=1) if chosen_lengths is not None else policy_chosen.numel()
+    )
+    if rpo_alpha:
+        if chosen_lengths is None:
+            raise KilnError("the rpo term (rpo_alpha > 0) needs chosen_lengths")
+        loss = loss + rpo_alpha * nll
     return DPOOutput(
-        loss=per_pair.mean(),
+        loss=loss,
+        nll=nll.detach(),
         chosen_rewards=(beta * chosen_ratio).detach(),
         rejected_rewards=(beta * rejected_ratio).detach(),
     )

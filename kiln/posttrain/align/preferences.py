@@ -14,7 +14,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int | None = 50
     seed: int = 0
+    greedy: bool = False  # one of the `samples` replies is the greedy one (on-policy pairs)
 
     def __post_init__(self) -> None:
         """Reject settings that cannot sample, naming the field."""
@@ -71,10 +72,14 @@ def sample_replies(
     room = model.cfg.block_size - len(prompt)
     if room < 1:
         return []  # no room to answer in the model's context: no pair
+    n = min(cfg.max_new_tokens, room)
+    sampled = cfg.samples - cfg.greedy
     replies = generate(
-        model, [prompt] * cfg.samples, min(cfg.max_new_tokens, room),
-        temperature=cfg.temperature, top_k=cfg.top_k, seed=seed, stop_tokens=template.stop_ids,
+        model, [prompt] * sampled, n, temperature=cfg.temperature, top_k=cfg.top_k, seed=seed,
+        stop_tokens=template.stop_ids,
     )  # fmt: skip
+    if cfg.greedy:
+        replies += generate(model, [prompt], n, temperature=0.0, stop_tokens=template.stop_ids)
     # A reply ends at the first control token (an end-of-text mid-reply, say): its text is what
     # the renderer can encode again, so every pair tokenizes under the refusing policy. A reply
     # that reached the length cap without ending is marked unfinished.
@@ -157,11 +162,18 @@ def _sample_chunk(
         SamplingParams(
             max_tokens=min(cfg.max_new_tokens, model.cfg.block_size - len(prompts[k])),
             temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed + start + k,
-            n=cfg.samples, stop_token_ids=template.stop_ids, ignore_eos=True,
+            n=cfg.samples - cfg.greedy, stop_token_ids=template.stop_ids, ignore_eos=True,
         )
         for k in fits
     ]  # fmt: skip
-    sampled = engine_sample(model, [prompts[k] for k in fits], params, None) if fits else []
+    asked = [prompts[k] for k in fits]
+    if cfg.greedy:  # each prompt once more, at temperature 0: the reply evaluation would see
+        greedy = [replace(p, n=1, temperature=0.0, top_k=None, seed=None) for p in params]
+        asked, params = asked + asked, params + greedy
+    sampled = engine_sample(model, asked, params, None) if fits else []
+    if sampled and cfg.greedy:
+        half = len(fits)
+        sampled = [a + b for a, b in zip(sampled[:half], sampled[half:], strict=True)]
     if sampled is None:  # MLA or sinks: kiln.model.generate, one prompt at a time
         return [
             sample_replies(model, tokenizer, r["messages"][:-1], cfg, cfg.seed + start + k)

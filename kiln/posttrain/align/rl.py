@@ -1,9 +1,12 @@
-"""On-policy RL for a language model: GRPO (group-normalised rewards, no value model) and PPO
-(a value model, GAE, clipped value loss), sharing rollouts, the KL to a frozen reference, the
-clipped ratio, checkpoints and exact resume.
+"""On-policy RL for a language model: GRPO (group-normalised rewards, no value model), PPO
+(a value model, GAE, clipped value loss) and REINFORCE (the plain policy gradient, with or
+without a group-mean baseline), sharing rollouts, the KL to a frozen reference, the clipped
+ratio, checkpoints and exact resume.
 
 One step: draw `prompts_per_step` prompts (a seeded permutation per epoch over the prompt set),
-sample `group_size` responses each, reward them, then `epochs` passes of minibatch updates.
+sample `group_size` responses each, reward them, then `epochs` passes of minibatch updates
+(with epochs > 1 the later passes are off-policy, so the ratio moves and clipping acts). The
+switches and their papers are listed in docs/posttrain.md ("RL switches").
 """
 
 from __future__ import annotations
@@ -18,22 +21,32 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from kiln.errors import KilnError
 from kiln.model.transformer import Transformer
 from kiln.posttrain.align.logprobs import masked_mean
 from kiln.posttrain.align.loop import LoopConfig, PosttrainLoop, PosttrainRun, epoch_slice
 from kiln.posttrain.align.reward_model import ScalarHead
 from kiln.posttrain.align.rl_losses import (
+    BASELINES,
+    LOSS_NORMS,
+    SCALE_REWARDS,
+    AdaptiveKL,
+    aggregate,
     clipped_policy_loss,
     clipped_value_loss,
+    explained_variance,
     gae,
     group_advantages,
     kl_estimate,
     ppo_token_rewards,
+    reinforce_advantages,
+    reinforce_loss,
     whiten,
 )
 from kiln.posttrain.align.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
 
-ALGORITHMS = ("grpo", "ppo")
+ALGORITHMS = ("grpo", "ppo", "reinforce")
+VALUE_INITS = ("policy", "reward")
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class RLConfig(LoopConfig):
         "epochs",
     )
 
-    algorithm: str = "grpo"  # "grpo" | "ppo"
+    algorithm: str = "grpo"  # "grpo" | "ppo" | "reinforce"
     steps: int = 20
     prompts_per_step: int = 4
     group_size: int = 4  # samples per prompt (GRPO's G; PPO may use 1)
@@ -58,7 +71,14 @@ class RLConfig(LoopConfig):
     minibatch: int = 0  # rows per update; 0: the whole rollout in one update
     clip: float = 0.2
     kl_coef: float = 0.02  # GRPO: k3 in the loss; PPO: k1 subtracted from the per-token reward
-    scale_rewards: str = "group"  # GRPO's advantage scaling: group | batch | none
+    scale_rewards: str = "group"  # GRPO's advantage scaling: group | batch | none (Dr. GRPO)
+    adv_eps: float = 1e-4  # GRPO: added to the std the advantages are divided by
+    loss_norm: str = "token"  # sequence (GRPO) | token (DAPO) | constant (Dr. GRPO)
+    baseline: str = "group"  # REINFORCE: none | group (minus the group's mean reward)
+    kl_target: float = 0.0  # > 0: adapt kl_coef toward this KL per response (Ziegler et al.)
+    kl_horizon: int = 10_000  # the adaptive controller's horizon, in samples
+    whiten_advantages: bool = True  # PPO: advantages to zero mean, unit variance per rollout
+    value_init: str = "policy"  # PPO's value model: a copy of the policy, or of data.reward_model
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: float = 0.2
@@ -67,7 +87,16 @@ class RLConfig(LoopConfig):
 
     def check(self) -> None:
         """RL's own settings: a known algorithm, sampling and clipping that can run."""
-        self.require(self.algorithm in ALGORITHMS, "algorithm", "must be grpo or ppo")
+        self.require(self.algorithm in ALGORITHMS, "algorithm", "must be grpo, ppo or reinforce")
+        self.require(self.loss_norm in LOSS_NORMS, "loss_norm", f"must be one of {LOSS_NORMS}")
+        self.require(
+            self.scale_rewards in SCALE_REWARDS, "scale_rewards", f"must be one of {SCALE_REWARDS}"
+        )
+        self.require(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
+        self.require(self.value_init in VALUE_INITS, "value_init", f"must be one of {VALUE_INITS}")
+        self.require(self.adv_eps > 0, "adv_eps", "must be > 0")
+        self.require(self.kl_target >= 0, "kl_target", "must be >= 0 (0: a fixed kl_coef)")
+        self.require(self.kl_horizon >= 1, "kl_horizon", "must be >= 1")
         self.require(self.temperature > 0, "temperature", "must be > 0")
         self.require(self.clip > 0, "clip", "must be > 0")
         self.require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
@@ -76,6 +105,16 @@ class RLConfig(LoopConfig):
             self.algorithm != "grpo" or self.group_size >= 2,
             "group_size",
             "must be >= 2 for grpo (advantages compare samples)",
+        )
+        self.require(
+            self.algorithm != "reinforce" or self.epochs == 1,
+            "epochs",
+            "must be 1 for reinforce (it has no ratio to correct a reused rollout)",
+        )
+        self.require(
+            self.algorithm != "reinforce" or self.baseline == "none" or self.group_size >= 2,
+            "group_size",
+            "must be >= 2 for reinforce with baseline = group (the baseline is the others' mean)",
         )
 
 
@@ -92,6 +131,7 @@ class RLTrainer(PosttrainLoop):
         *,
         eot_id: int | None,
         reference: Transformer | None = None,
+        value_from: ScalarHead | None = None,
         base_state: dict[str, Any] | None = None,
         progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
@@ -99,7 +139,9 @@ class RLTrainer(PosttrainLoop):
         self.cfg = cfg
         self.model = self.policy = policy
         self.reference = (reference or copy.deepcopy(policy)).eval().requires_grad_(False)
-        self.value = ScalarHead(copy.deepcopy(policy)) if cfg.algorithm == "ppo" else None
+        self.value = self._value_model(policy, value_from) if cfg.algorithm == "ppo" else None
+        self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target else None
+        self.kl_coef = cfg.kl_coef
         self.prompts = [list(p) for p in prompts]
         self.reward_fn = reward_fn
         self.eot_id = eot_id
@@ -109,6 +151,27 @@ class RLTrainer(PosttrainLoop):
         params = list(policy.parameters()) + (list(self.value.parameters()) if self.value else [])
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
+
+    def _value_model(self, policy: Transformer, value_from: ScalarHead | None) -> ScalarHead:
+        """PPO's critic: the policy's body and a fresh head, or a copy of the reward model."""
+        if self.cfg.value_init == "policy":
+            return ScalarHead(copy.deepcopy(policy))
+        if value_from is None:
+            raise KilnError("rl.value_init = reward: set data.reward_model (the critic's start)")
+        value = ScalarHead(copy.deepcopy(value_from.lm))
+        value.head.load_state_dict(value_from.head.state_dict())
+        return value.train().requires_grad_(True)
+
+    def resume(self) -> bool:
+        """Continue from the latest checkpoint; the adaptive KL coefficient from the last log."""
+        if not super().resume():
+            return False
+        records = self.metrics.read()
+        if records and "kl_coef_next" in records[-1]:
+            self.kl_coef = float(records[-1]["kl_coef_next"])
+            if self.kl is not None:
+                self.kl.value = self.kl_coef
+        return True
 
     def extra_modules(self) -> dict[str, torch.nn.Module]:
         """PPO's value model, saved beside the policy."""
@@ -132,6 +195,9 @@ class RLTrainer(PosttrainLoop):
         )  # fmt: skip
         advantages, returns, old_values = self._advantages(rollout)
         stats: list[dict[str, float]] = []
+        extra: dict[str, float] = {"kl_coef": self.kl_coef}
+        if cfg.algorithm == "ppo":
+            extra["explained_variance"] = explained_variance(old_values, returns, rollout.mask)
         n = len(rollout)
         size = cfg.minibatch or n
         self.policy.train()
@@ -144,29 +210,38 @@ class RLTrainer(PosttrainLoop):
                 stats.append(self._update(rollout.rows(index), advantages[index],
                                           returns[index], old_values[index]))  # fmt: skip
         self.step += 1
-        record = self._record(rollout, stats)
+        seq_kl = float(
+            ((rollout.old_logprobs - rollout.ref_logprobs) * rollout.mask).sum(-1).mean()
+        )
+        if self.kl is not None:  # Ziegler et al.: the KL per response, k1 summed over its tokens
+            self.kl_coef = self.kl.update(seq_kl, n)
+        record = self._record(rollout, stats) | extra | {
+            "sequence_kl": seq_kl, "kl_coef_next": self.kl_coef,
+        }  # fmt: skip
         self.metrics.write(record)
         if self.progress is not None:
             self.progress(record)
         return record
 
     def _advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor]:
-        """GRPO: one advantage per response; PPO: per-token GAE over the value model."""
+        """GRPO, REINFORCE: one advantage per response; PPO: per-token GAE over the value model."""
         cfg = self.cfg
+        zeros = torch.zeros_like(rollout.old_logprobs)
         if cfg.algorithm == "grpo":
-            adv = group_advantages(rollout.rewards, cfg.group_size, cfg.scale_rewards)
-            zeros = torch.zeros_like(rollout.old_logprobs)
+            adv = group_advantages(rollout.rewards, cfg.group_size, cfg.scale_rewards, cfg.adv_eps)
             return adv, zeros, zeros
+        if cfg.algorithm == "reinforce":
+            return reinforce_advantages(rollout.rewards, cfg.group_size, cfg.baseline), zeros, zeros
         assert self.value is not None
         with torch.no_grad():
             values = (
                 self.value(rollout.ids)[:, :-1] * rollout.mask
             )  # V of the state before each token
         rewards = ppo_token_rewards(
-            rollout.rewards, rollout.old_logprobs, rollout.ref_logprobs, rollout.mask, cfg.kl_coef
+            rollout.rewards, rollout.old_logprobs, rollout.ref_logprobs, rollout.mask, self.kl_coef
         )
         adv, returns = gae(rewards, values, rollout.mask, cfg.gamma, cfg.lam)
-        return whiten(adv, rollout.mask), returns, values
+        return (whiten(adv, rollout.mask) if cfg.whiten_advantages else adv), returns, values
 
     def _update(
         self, batch: Rollout, advantages: Tensor, returns: Tensor, old_values: Tensor
@@ -174,12 +249,17 @@ class RLTrainer(PosttrainLoop):
         """One optimizer step on a minibatch; returns its statistics."""
         cfg = self.cfg
         logp, entropy = policy_logprobs(self.policy, batch.ids, batch.mask, cfg.temperature)
-        pg = clipped_policy_loss(logp, batch.old_logprobs, advantages, batch.mask, cfg.clip)
-        kl = masked_mean(kl_estimate(logp, batch.ref_logprobs, "k3"), batch.mask)
+        norm = (cfg.loss_norm, cfg.max_new_tokens)
+        pg = clipped_policy_loss(logp, batch.old_logprobs, advantages, batch.mask, cfg.clip, *norm)
+        k3 = kl_estimate(logp, batch.ref_logprobs, "k3")
+        kl = masked_mean(k3, batch.mask)
         loss = pg.loss
-        out = {"clip_fraction": float(pg.clip_fraction), "kl": float(kl.detach())}
-        if cfg.algorithm == "grpo":
-            loss = loss + cfg.kl_coef * kl
+        if cfg.algorithm == "reinforce":
+            loss = reinforce_loss(logp, advantages, batch.mask, *norm)
+        out = {"clip_fraction": float(pg.clip_fraction), "kl": float(kl.detach()),
+               "ratio_mean": float(pg.ratio_mean)}  # fmt: skip
+        if cfg.algorithm != "ppo":  # GRPO's KL in the loss, aggregated like the policy term
+            loss = loss + self.kl_coef * aggregate(k3, batch.mask, *norm)
         else:
             assert self.value is not None
             values = self.value(batch.ids)[:, :-1]

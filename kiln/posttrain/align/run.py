@@ -55,6 +55,7 @@ class PairsSection:
     pairs: str = ""
     heldout: float = 0.1
     seed: int = 0
+    chat: str = ""  # online DPO (dpo.resample_every > 0): the `kiln data chat` folder it samples
 
     def __post_init__(self) -> None:
         """Pairs are required; the held-out share is a fraction."""
@@ -312,7 +313,11 @@ def bar_callback(bar: Any, keys: Sequence[str]) -> Callable[[dict[str, Any]], No
 # ---- running a config ---------------------------------------------------------------------------
 
 RUN_CONFIGS: dict[str, type] = {"dpo": DPORunConfig, "reward": RewardRunConfig, "rl": RLRunConfig}
-SHOWN = {"dpo": ("loss", "accuracy"), "reward": ("loss", "accuracy"), "rl": ("reward_mean", "kl")}
+SHOWN = {
+    "dpo": ("loss", "accuracy"),
+    "reward": ("loss", "accuracy"),
+    "rl": ("reward_mean", "kl", "clip_fraction"),
+}
 
 
 def run_from_config(
@@ -330,6 +335,10 @@ def run_from_config(
     from kiln.posttrain.align.rl import RLTrainer
 
     cfg = cfgio.load(RUN_CONFIGS[kind], config_path, overrides)
+    if kind == "rl" and cfg.rl.value_init == "reward" and not cfg.data.reward_model:
+        raise KilnError("rl.value_init = reward: set data.reward_model (the critic starts from it)")
+    if kind == "dpo" and cfg.dpo.resample_every and not cfg.data.chat:
+        raise KilnError("dpo.resample_every > 0 (online DPO): set data.chat (its prompts)")
     run_dir = Path(cfg.run_dir)
     prepare_run_dir(run_dir, cfg, resume, force)
     loaded, base_state = load_policy(cfg.policy, run_dir)
@@ -344,14 +353,28 @@ def run_from_config(
     trainer: Any
     if kind == "rl":
         prompts, reward = rl_prompts(cfg.data, loaded, settings.max_new_tokens)
+        value_from = None
+        if settings.algorithm == "ppo" and settings.value_init == "reward":
+            value_from = load_reward_model(find_checkpoint(cfg.data.reward_model))
         trainer = RLTrainer(
             policy, prompts, reward, settings, run_dir, eot_id=require_chat_template(tok, "rl").end_id,
-            reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+            reference=load_reference(cfg.policy), value_from=value_from, base_state=base_state,
+            progress=show,
         )  # fmt: skip
     else:
         pairs = token_pairs(cfg.data.pairs, tok, policy.cfg.block_size)
         train, held = split_pairs(pairs, cfg.data.heldout, cfg.data.seed)
-        if kind == "dpo":
+        if kind == "dpo" and settings.resample_every:
+            from kiln.chat import iter_conversations
+            from kiln.posttrain.align.online_dpo import OnlineDPOTrainer
+
+            trainer = OnlineDPOTrainer(
+                policy, train, settings, run_dir, held_out=held,
+                reference=load_reference(cfg.policy), base_state=base_state, progress=show,
+                records=list(iter_conversations(split_file(cfg.data.chat, "train"))),
+                tokenizer=tok,
+            )  # fmt: skip
+        elif kind == "dpo":
             trainer = DPOTrainer(
                 policy, train, settings, run_dir, held_out=held,
                 reference=load_reference(cfg.policy), base_state=base_state, progress=show,

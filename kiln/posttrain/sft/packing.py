@@ -3,7 +3,9 @@
 A conversation of n ids and loss mask m gives n - 1 (input, target) pairs: input ids[i], target
 ids[i+1] where m[i+1] is set, else IGNORE (the loss skips targets < 0, kiln/model/loss.py), so
 only the assistant's replies and their end tokens are learned. A conversation longer than
-seq_len + 1 ids is cut to its first seq_len + 1.
+seq_len + 1 ids is cut to its first seq_len + 1 (`too_long="cut"`), or left out ("drop"): a cut
+reply has lost its `<|end|>`, so it teaches the model that a reply of that length goes on, and a
+model fed many of them rarely stops (kiln sft's default is "drop").
 
 Two layouts of rows of `seq_len` positions:
 
@@ -35,6 +37,7 @@ from kiln.errors import KilnError
 IGNORE = -1  # target of a position the loss skips
 Layout = Literal["packed", "padded"]
 LAYOUTS = ("packed", "padded")
+TOO_LONG = ("drop", "cut")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Rows:
     real: np.ndarray  # (N, T) bool: True where a position holds a conversation token
     conversations: int  # how many conversations the rows hold
     truncated: int  # how many of them were cut to seq_len + 1 ids
+    dropped: int = 0  # conversations left out for being longer than seq_len + 1 ids
 
     @property
     def seq_len(self) -> int:
@@ -90,21 +94,34 @@ def build_rows(
     seq_len: int,
     layout: Layout = "packed",
     pad_id: int = 0,
+    too_long: str = "cut",
 ) -> Rows:
-    """Rows of `seq_len` positions from rendered conversations (ids, loss_mask) in `layout`."""
+    """Rows of `seq_len` positions from rendered conversations (ids, loss_mask) in `layout`;
+    conversations longer than a row are cut or dropped (`too_long`)."""
     if layout not in LAYOUTS:
         raise KilnError(f"sft.layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    if too_long not in TOO_LONG:
+        raise KilnError(f"data.too_long must be one of {', '.join(TOO_LONG)}; got {too_long!r}")
     if seq_len < 1:
         raise KilnError(f"seq_len must be >= 1, got {seq_len}")
-    items, truncated = [], 0
+    items, truncated, dropped = [], 0, 0
     for ids, mask in examples:
         x, y = pairs(ids, mask)
+        if len(x) > seq_len and too_long == "drop":
+            dropped += 1
+            continue
         if len(x) > seq_len:
             x, y, truncated = x[:seq_len], y[:seq_len], truncated + 1
         if x and any(t >= 0 for t in y):  # nothing to learn: no row
             items.append((x, y))
     if not items:
-        raise KilnError("no conversation with an assistant reply to learn from")
+        why = (
+            f" ({dropped} longer than {seq_len + 1} ids left out: a larger data.seq_len, or "
+            'data.too_long = "cut")'
+            if dropped
+            else ""
+        )
+        raise KilnError(f"no conversation with an assistant reply to learn from{why}")
     placement = _best_fit([len(x) for x, _ in items], seq_len) if layout == "packed" else None
     n_rows = len(items) if placement is None else max(placement) + 1
     inputs = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
@@ -123,7 +140,7 @@ def build_rows(
     if segments is not None:  # the free tail: a segment of its own, never attended into
         for row in range(n_rows):
             segments[row, used[row] :] = counts[row]
-    return Rows(inputs, targets, segments, real, len(items), truncated)
+    return Rows(inputs, targets, segments, real, len(items), truncated, dropped)
 
 
 def _best_fit(lengths: list[int], capacity: int) -> list[int]:
@@ -216,6 +233,7 @@ def describe(rows: Rows) -> dict[str, Any]:
         "rows": rows.n_rows,
         "conversations": rows.conversations,
         "truncated": rows.truncated,
+        "dropped": rows.dropped,
         "real_tokens": rows.real_tokens,
         "loss_tokens": rows.loss_tokens,
         "fill": rows.real_tokens / positions if positions else 0.0,

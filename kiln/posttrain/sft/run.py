@@ -38,7 +38,7 @@ from kiln.loading import find_checkpoint, folder_kind, load_model
 from kiln.model.transformer import Transformer
 from kiln.posttrain.sft import lora as lora_mod
 from kiln.posttrain.sft.lora import LoRAConfig
-from kiln.posttrain.sft.packing import LAYOUTS, RowLoader, Rows, build_rows, describe
+from kiln.posttrain.sft.packing import LAYOUTS, TOO_LONG, RowLoader, Rows, build_rows, describe
 from kiln.tokenizer.special import EOT
 from kiln.tokenizer.tokenizer import Tokenizer
 from kiln.train.config import TrainConfig
@@ -57,6 +57,9 @@ class SFTData:
     seq_len: int = 256  # positions per row; longer conversations are cut
     seed: int = 0  # the rows' order in each epoch
     layout: Literal["packed", "padded"] = "packed"  # see kiln/posttrain/sft/packing.py
+    # A conversation longer than seq_len: "drop" it (its reply keeps its <|end|> or is not
+    # trained on), or "cut" it (the cut reply teaches not stopping; replies then rarely stop).
+    too_long: Literal["drop", "cut"] = "drop"
     # Filled in when the run starts (the resolved config records what was trained on):
     train_sha256: str = ""
     val_sha256: str = ""
@@ -67,6 +70,10 @@ class SFTData:
         require(
             self.layout in LAYOUTS,
             f"data.layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}",
+        )
+        require(
+            self.too_long in TOO_LONG,
+            f"data.too_long must be one of {', '.join(TOO_LONG)}; got {self.too_long!r}",
         )
 
 
@@ -217,7 +224,9 @@ def prepare(cfg: SFTConfig) -> Prepared:
     pad = tok.special_tokens.get(EOT, 0)
     files = {"train": cfg.data.train, "val": cfg.data.val}
     splits = {
-        name: build_rows(render_file(path, tok), cfg.data.seq_len, cfg.data.layout, pad)
+        name: build_rows(
+            render_file(path, tok), cfg.data.seq_len, cfg.data.layout, pad, cfg.data.too_long
+        )
         for name, path in files.items()
         if path
     }
@@ -232,6 +241,7 @@ def prepare(cfg: SFTConfig) -> Prepared:
         "vocab_size": tok.n_vocab,
         "base_sha256": sft.base_sha256,
         "layout": cfg.data.layout,
+        "too_long": cfg.data.too_long,
         **{f"{name}_sha256": rows.sha256() for name, rows in splits.items()},
         **{f"{name}_rows": rows.n_rows for name, rows in splits.items()},
     }

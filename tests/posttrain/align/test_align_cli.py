@@ -125,3 +125,22 @@ def test_a_folder_these_commands_did_not_make_is_never_written_into(
     assert (mine / "config.toml").read_text() == "my own config\n"
     assert run(*args, "--set", f"run_dir={chat_run}") == 2  # not even the base run, with --force
     assert (chat_run / "checkpoints").is_dir()
+
+
+def test_online_dpo_remakes_its_pairs_from_the_policy_and_resumes_on_them(
+    tmp_path: Path, chat_run: Path, pairs_file: Path, chat_data: Path
+) -> None:
+    out = tmp_path / "online"
+    common = ["--set", f"policy.base={chat_run}", "--set", f"data.pairs={pairs_file}",
+              "--set", f"data.chat={chat_data}", "--set", f"run_dir={out}",
+              "--set", "dpo.pairs_per_step=4", "--set", "dpo.save_every=1",
+              "--set", "dpo.resample_every=2", "--set", "dpo.resample_prompts=40",
+              "--set", "dpo.resample_samples=6", "--set", "dpo.resample_temperature=1.5",
+              "--set", "dpo.resample_max_new_tokens=24", "--set", "dpo.rpo_alpha=0.5"]  # fmt: skip
+    assert run("dpo", "configs/dpo.toml", *common, "--set", "dpo.steps=3") == 0
+    made = sorted(p.name for p in (out / "online_pairs").iterdir())
+    assert made == ["step_0.jsonl", "step_2.jsonl"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [("online_pairs" in r) for r in records] == [True, False, True]
+    print([r["online_pairs"] for r in records if "online_pairs" in r])
+    assert all("chosen_nll" in r for r in records)

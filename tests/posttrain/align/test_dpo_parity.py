@@ -4,6 +4,7 @@ and pairs (kiln's model exported to transformers; the batch built by hand, right
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 
 import pytest
@@ -54,7 +55,11 @@ def make_models() -> tuple[Transformer, Transformer]:
 
 
 def trl_trainer(
-    policy: Transformer, ref: Transformer, loss_type: str, beta: float
+    policy: Transformer,
+    ref: Transformer,
+    loss_type: str | list[str],
+    beta: float,
+    loss_weights: list[float] | None = None,
 ) -> trl.DPOTrainer:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -67,7 +72,8 @@ def trl_trainer(
     )
     ds = datasets.Dataset.from_dict({"prompt": ["t5"], "chosen": ["t6"], "rejected": ["t7"]})
     args = trl.DPOConfig(
-        output_dir=tempfile.mkdtemp(), beta=beta, loss_type=[loss_type], report_to=[],
+        output_dir=tempfile.mkdtemp(), beta=beta, report_to=[], loss_weights=loss_weights,
+        loss_type=[loss_type] if isinstance(loss_type, str) else loss_type,
         use_cpu=True, bf16=False, per_device_train_batch_size=len(PAIRS),
     )  # fmt: skip
     return trl.DPOTrainer(
@@ -76,9 +82,38 @@ def trl_trainer(
     )  # fmt: skip
 
 
-def kiln_loss(policy: Transformer, ref: Transformer, loss_type: str, beta: float) -> DPOOutput:
+def kiln_loss(
+    policy: Transformer, ref: Transformer, loss_type: str, beta: float, rpo_alpha: float = 0.0
+) -> DPOOutput:
     pairs = [TokenPair(p, c, r) for p, c, r in PAIRS]
-    return preference_loss(policy, ref, pairs, DPOConfig(beta=beta, loss_type=loss_type))
+    cfg = DPOConfig(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha)
+    return preference_loss(policy, ref, pairs, cfg)
+
+
+@pytest.mark.kernels
+def test_the_rpo_term_equals_trl_sigmoid_plus_sft() -> None:
+    # trl 1.16 has no rpo_alpha: RPO is loss_type ["sigmoid", "sft"] weighted [1, alpha]
+    beta, alpha = 0.3, 0.7
+    policy, ref = make_models()
+    trainer = trl_trainer(policy, ref, ["sigmoid", "sft"], beta, [1.0, alpha])
+    trl_value = trainer.compute_loss(trainer.model, batch())
+    policy.train()
+    with_rpo = kiln_loss(policy, ref, "sigmoid", beta, rpo_alpha=alpha)
+    plain = kiln_loss(policy, ref, "sigmoid", beta)
+    assert with_rpo.loss.item() == pytest.approx(trl_value.item(), rel=1e-5, abs=1e-6)
+    assert with_rpo.loss.item() == pytest.approx(plain.loss.item() + alpha * plain.nll.item())
+    assert with_rpo.loss.item() != pytest.approx(plain.loss.item(), rel=1e-3)
+
+
+def test_the_rpo_term_by_hand() -> None:
+    # chosen log-probs summed -3 (2 tokens) and -1 (2 tokens): NLL per token = 4 / 4 = 1;
+    # margins 0 (policy = reference): DPO loss log 2; with α 0.5: log 2 + 0.5
+    z = torch.zeros(2)
+    chosen = torch.tensor([-3.0, -1.0])
+    lengths = torch.tensor([2.0, 2.0])
+    out = dpo_loss(chosen, z, chosen, z, 0.1, "sigmoid", lengths, lengths, rpo_alpha=0.5)
+    assert out.nll.item() == pytest.approx(1.0)
+    assert out.loss.item() == pytest.approx(math.log(2) + 0.5)
 
 
 @pytest.mark.kernels

@@ -87,7 +87,7 @@ def test_kl_to_the_reference_is_zero_before_the_first_update(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("algorithm", "a2c", "rl.algorithm must be grpo or ppo"),
+    [("algorithm", "a2c", "rl.algorithm must be grpo, ppo or reinforce"),
      ("group_size", 1, "rl.group_size must be >= 2 for grpo"),
      ("temperature", 0.0, "rl.temperature must be > 0")],
 )  # fmt: skip

@@ -46,7 +46,7 @@ def _config(chat_run: Path, data: Path, run: Path, *overrides: str) -> SFTConfig
         CONFIG,
         [
             f"sft.base={chat_run}", f"data.train={data / 'train.jsonl'}",
-            f"data.val={data / 'val.jsonl'}", "data.seq_len=32", "batch.global_tokens=256",
+            f"data.val={data / 'val.jsonl'}", "data.seq_len=32", "data.too_long=cut", "batch.global_tokens=256",
             "batch.micro_batch=4", "train.time_budget=none", "train.max_steps=6",
             "train.dtype=fp32", "eval.every=3", "eval.batches=1", "checkpoint.every=3",
             "logging.every=1", "logging.progress=false", f"logging.run_dir={run}",
@@ -118,7 +118,7 @@ def test_a_lora_run_loads_merged_and_writes_a_peft_adapter(
     run = tmp_path / "lora"
     sets = [
         f"sft.base={chat_run}", f"data.train={conversations / 'train.jsonl'}", "data.val=",
-        "data.seq_len=32", "batch.global_tokens=128", "batch.micro_batch=4",
+        "data.seq_len=32", "data.too_long=cut", "batch.global_tokens=128", "batch.micro_batch=4",
         "train.time_budget=none", "train.max_steps=3", "train.dtype=fp32", "eval.batches=0",
         f"logging.run_dir={run}", "lora.rank=4", "optim.lr=1e-2",
     ]  # fmt: skip
