@@ -316,8 +316,8 @@ def write_report(out: Path, state: dict[str, Any], align: str) -> str:
     rows = success_rows(out, align)
     tasks = list(rows[0][1]["chat_tasks"]["tasks"]) if rows else []
     lines = [
-        "| after | all (95% CI) | " + " | ".join(tasks) + " | bpb |",
-        "|---|---|" + "---|" * len(tasks) + "---|",
+        "| after | all (95% CI) | " + " | ".join(tasks) + " | replies stopped | bpb |",
+        "|---|---|" + "---|" * len(tasks) + "---|---|",
     ]
     for stage, doc in rows:
         chat = doc["chat_tasks"]
@@ -326,7 +326,7 @@ def write_report(out: Path, state: dict[str, Any], align: str) -> str:
         lines.append(
             f"| {label} | {chat['all']['success_rate']:.1%} [{low:.1%}, {high:.1%}] | "
             + " | ".join(f"{chat['tasks'][t]['success_rate']:.0%}" for t in tasks)
-            + f" | {doc['bpb']['bits_per_byte']:.3f} |"
+            + f" | {chat['all'].get('stop_rate', 0.0):.0%} | {doc['bpb']['bits_per_byte']:.3f} |"
         )
     total = sum(r["seconds"] for r in state["stages"].values())
     lines += ["", "| stage | minutes | share |", "|---|---|---|"]
