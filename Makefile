@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve]'
+	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve,gguf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
