@@ -2,7 +2,8 @@
 
 The file holds the weights under llama.cpp's tensor names (the Llama-style family as `llama`,
 GPT-2 as `gpt2`), the hyper-parameters it reads, and the tokenizer: byte-level BPE tokens as
-GPT-2 unicode strings, the merges, token types (special tokens are control tokens), eos/bos and
+GPT-2 unicode strings, the merges, pre-tokenizer "gpt-2" (llama.cpp's name for GPT-2's split pattern, the one kiln
+trains with by default), token types (special tokens are control tokens), eos/bos and
 the chat template when the tokenizer has the chat tokens. Written with the `gguf` package (the
 `gguf` extra) to a temporary name beside OUT and renamed, so OUT never holds half a file.
 
@@ -121,11 +122,11 @@ def _add_tokenizer(w: Any, tok: Tokenizer, vocab_size: int, eos_id: int) -> bool
     if tok.pattern.name != "gpt2":
         raise KilnError(
             f"--gguf: the tokenizer splits with the {tok.pattern.name!r} pattern; llama.cpp's "
-            "pre-tokenizer is written as 'gpt2', so only GPT-2's pattern is exported"
+            "pre-tokenizer is written as 'gpt-2', so only GPT-2's pattern is exported"
         )
     tokens, types, merges = gguf_vocab(tok, vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's split pattern
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -101,7 +101,7 @@ def test_the_gguf_file_reads_back_with_the_weights_hparams_and_tokenizer(
     tok = Tokenizer.load(tiny_dataset.parent / "tok.json")
     tokens = f["tokenizer.ggml.tokens"]
     types = f["tokenizer.ggml.token_type"]
-    assert (f["tokenizer.ggml.model"], f["tokenizer.ggml.pre"]) == ("gpt2", "gpt2")
+    assert (f["tokenizer.ggml.model"], f["tokenizer.ggml.pre"]) == ("gpt2", "gpt-2")
     assert len(tokens) == cfg.vocab_size
     specials = set(tok.special_tokens.values())
     for i, b in tok.vocab.items():

@@ -4,18 +4,23 @@ Marker `llamacpp`: skipped with the reason when llama-cpp-python (the llamacpp e
 installed; `make test` runs these when it is (docs/export.md).
 
 Tolerances, derived from where llama.cpp's arithmetic differs from kiln's fp32 forward:
-- f32 file, f32 KV cache: only the order of fp32 sums differs. A dot product of n terms is off
-  by at most about n·2^-24 of the sum of |terms| (Higham), and an error entering a matmul input
-  is carried through the residual stream: over the 2·n_layer + 1 matmul stages, at most
-  (2·n_layer + 1)·n·2^-24 relative to the largest logit, n = the widest dot product (d_ff).
-- f16 file (llama.cpp's defaults, f16 KV cache): the weights are rounded to f16 in the file, so
-  kiln's reference runs those same rounded weights in fp32; what remains is that ggml rounds
-  every matmul's activations, and K and V in the cache, to f16: relative 2^-11 per stage, so at
-  most (2·n_layer + 1)·2^-11 relative to the largest logit, then twice that for K and V's own
-  rounding inside attention. Both bounds are worst-case sums; the measured errors sit far below.
-Greedy tokens at f16 must then match exactly wherever kiln's top two logits are further apart
-than twice that bound; the test model's logits are spread wide (weights drawn at std 0.3) so
-that holds at every step, and the test checks it does rather than assuming it.
+- f32 file, f32 KV cache (Llama): only the order of fp32 sums differs. A dot product of n terms
+  is off by at most about n·2^-24 of the sum of |terms| (Higham); over the 2·n_layer + 1 matmul
+  stages, (2·n_layer + 1)·n·2^-24 relative to the largest logit, n the widest dot product.
+- Where ggml rounds to f16, the error is that rounding's, carried through the network, and how
+  much a network amplifies it depends on its weights; so the size is measured on kiln itself:
+  kiln's forward with the same values rounded to f16 (`_rounded`) against kiln's exact one.
+  llama.cpp's error has that size (RMS ratio 0.9-1.2 over the 20 prompts here: the simulation
+  leaves out only smaller roundings, such as the softmax weights before P·V), and may be at most
+  2x it in RMS and 4x it at the largest single logit (the maximum of thousands of independent
+  roundings moves more; measured up to 2.4x), plus the summation bound. ggml rounds:
+  every matmul's activations when the weights are f16 (the f16 file), K, V and Q for attention
+  (its default f16 KV cache), and GELU's input and output (it reads GELU from an f16 table, also
+  in an f32 file: the GPT-2 case).
+Greedy tokens at f16 must then be kiln's, except from a step where kiln's top two logits are
+closer than twice the largest-logit bound (a tie within the tolerance, after which the runs are not
+comparable); at most one of the 20 prompts may end that way, and the test model's logits are
+spread wide (weights drawn at std 0.3) to keep such ties rare.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ llama_cpp = pytest.importorskip(
 )
 
 N_PROMPTS, NEW_TOKENS = 20, 16
-U16, U32 = 2.0**-11, 2.0**-24
+U32 = 2.0**-24
 
 
 def _prompts(tok: Tokenizer) -> list[str]:
@@ -74,6 +79,52 @@ def _f16_weights(model: Transformer) -> Transformer:
     return model
 
 
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
+def _rounded(
+    model: Transformer, ids: list[int], matmuls: bool, attention: bool, gelu: bool
+) -> np.ndarray:
+    """kiln's logits with the values ggml keeps in f16 rounded to f16 (see the module docstring):
+    matmul inputs, the attention projections' output (Q, K, V), GELU's input and output."""
+    hooks = []
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if matmuls and isinstance(mod, torch.nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(lambda m, a: (_f16(a[0]), *a[1:])))
+        if (matmuls and leaf == "norm_f") or (attention and leaf == "qkv"):
+            hooks.append(mod.register_forward_hook(lambda m, a, out: _f16(out)))
+        if gelu and leaf == "fc":
+            hooks.append(mod.register_forward_hook(lambda m, a, out: _f16(out)))
+        if gelu and leaf == "proj" and name.endswith("mlp.proj"):
+            hooks.append(mod.register_forward_pre_hook(lambda m, a: (_f16(a[0]), *a[1:])))
+    try:
+        return _kiln_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x))))
+
+
+def _check_within_rounding(ours: np.ndarray, theirs: np.ndarray, rounded: np.ndarray,
+                           cfg: ModelConfig, what: str) -> float:  # fmt: skip
+    """llama.cpp's logits against kiln's, by the rounding bound; returns the max bound used."""
+    slack = _sum_bound(cfg) * float(np.abs(ours).max())
+    assert _rms(theirs - ours) <= 2 * _rms(rounded - ours) + slack, what
+    bound = 4 * float(np.abs(rounded - ours).max()) + slack
+    assert float(np.abs(theirs - ours).max()) <= bound, what
+    return bound
+
+
+def _sum_bound(cfg: ModelConfig) -> float:
+    """The fp32 summation-order bound, relative to the largest logit."""
+    return (2 * cfg.n_layer + 1) * max(cfg.ff_size, cfg.n_embd) * U32
+
+
 def _llama(path: Path, kv_f32: bool) -> object:
     kw = {"type_k": 0, "type_v": 0} if kv_f32 else {}
     return llama_cpp.Llama(str(path), n_ctx=256, n_threads=1, n_threads_batch=1,
@@ -101,10 +152,12 @@ def llama_cfg(tok: Tokenizer) -> ModelConfig:
     return ModelConfig.preset("tiny", vocab_size=tok.n_vocab, block_size=256)
 
 
-def test_llama_cpp_tokenizes_like_kiln(tok: Tokenizer, llama_cfg: ModelConfig, tmp_path: Path) -> None:
+def test_llama_cpp_tokenizes_like_kiln(
+    tok: Tokenizer, llama_cfg: ModelConfig, tmp_path: Path
+) -> None:
     export_gguf(_model(llama_cfg), tok, EOT, tmp_path / "m.gguf", "f16")
     llm = _llama(tmp_path / "m.gguf", kv_f32=False)
-    texts = [*_prompts(tok), "Tom said: \"Let's go!\"  The end. 123 café ☀\n\nNext"]
+    texts = [*_prompts(tok), 'Tom said: "Let\'s go!"  The end. 123 café ☀\n\nNext']
     for text in texts:
         ids = tok.encode_ordinary(text)
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, text
@@ -118,13 +171,11 @@ def test_f32_logits_match_kiln_within_the_summation_order_bound(
     model = _model(llama_cfg)
     export_gguf(model, tok, EOT, tmp_path / "m.gguf", "f32")
     llm = _llama(tmp_path / "m.gguf", kv_f32=True)
-    cfg = model.cfg
-    bound_rel = (2 * cfg.n_layer + 1) * max(cfg.ff_size, cfg.n_embd) * U32
     for text in _prompts(tok)[:5]:
         ids = tok.encode_ordinary(text)
         ours, theirs = _kiln_logits(model, ids), _llama_logits(llm, ids)
         err = np.abs(ours - theirs).max()
-        assert err <= bound_rel * np.abs(ours).max(), (text, err)
+        assert err <= _sum_bound(model.cfg) * np.abs(ours).max(), (text, err)
 
 
 def test_f16_gives_kiln_greedy_tokens_for_20_prompts_and_logits_within_the_bound(
@@ -134,21 +185,27 @@ def test_f16_gives_kiln_greedy_tokens_for_20_prompts_and_logits_within_the_bound
     export_gguf(model, tok, EOT, tmp_path / "m.gguf", "f16")
     reference = _f16_weights(model)
     llm = _llama(tmp_path / "m.gguf", kv_f32=False)
-    bound_rel = 2 * (2 * reference.cfg.n_layer + 1) * U16
+    near_ties: list[str] = []
     for text in _prompts(tok):
         ids = tok.encode_ordinary(text)
         ours = generate(reference, [ids], NEW_TOKENS, temperature=0.0)[0]
         full = ids + ours
         kiln_logits = _kiln_logits(reference, full)
         llama_logits = _llama_logits(llm, full)
-        bound = bound_rel * np.abs(kiln_logits).max()
-        assert np.abs(kiln_logits - llama_logits).max() <= bound, text
-        # The decisions are robust: kiln's top two are further apart than llama.cpp can move them.
-        top2 = np.sort(kiln_logits[len(ids) - 1 : -1], axis=1)[:, -2:]
-        assert (top2[:, 1] - top2[:, 0] > 2 * bound).all(), text
+        rounded = _rounded(reference, full, matmuls=True, attention=True, gelu=False)
+        bound = _check_within_rounding(kiln_logits, llama_logits, rounded, reference.cfg, text)
         llm.reset()
-        theirs = [t for _, t in zip(range(NEW_TOKENS), llm.generate(ids, temp=0.0, reset=True))]
-        assert theirs == ours, text
+        stream = llm.generate(ids, temp=0.0, reset=True)
+        theirs = [t for _, t in zip(range(NEW_TOKENS), stream, strict=False)]
+        if theirs == ours:
+            continue
+        # A different choice is allowed only where kiln's top two logits are closer than
+        # llama.cpp may move them apart (twice the bound); after it, the runs are not comparable.
+        k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        top2 = np.sort(kiln_logits[len(ids) - 1 + k])[-2:]
+        assert top2[1] - top2[0] <= 2 * bound, (text, k)
+        near_ties.append(text)
+    assert len(near_ties) <= 1, near_ties
 
 
 def test_gpt2_exports_load_in_llama_cpp_with_kiln_logits(tok: Tokenizer, tmp_path: Path) -> None:
@@ -156,8 +213,8 @@ def test_gpt2_exports_load_in_llama_cpp_with_kiln_logits(tok: Tokenizer, tmp_pat
     model = _model(cfg)
     export_gguf(model, tok, EOT, tmp_path / "g.gguf", "f32")
     llm = _llama(tmp_path / "g.gguf", kv_f32=True)
-    bound_rel = (2 * cfg.n_layer + 1) * cfg.ff_size * U32
     for text in _prompts(tok)[:5]:
         ids = tok.encode_ordinary(text)
         ours, theirs = _kiln_logits(model, ids), _llama_logits(llm, ids)
-        assert np.abs(ours - theirs).max() <= bound_rel * np.abs(ours).max(), text
+        rounded = _rounded(model, ids, matmuls=False, attention=False, gelu=True)
+        _check_within_rounding(ours, theirs, rounded, cfg, text)
