@@ -2,9 +2,9 @@
 
 The file holds the weights under llama.cpp's tensor names (the Llama-style family as `llama`,
 GPT-2 as `gpt2`), the hyper-parameters it reads, and the tokenizer: byte-level BPE tokens as
-GPT-2 unicode strings, the merges, pre-tokenizer "gpt-2" (llama.cpp's name for GPT-2's split pattern, the one kiln
-trains with by default), token types (special tokens are control tokens), eos/bos and
-the chat template when the tokenizer has the chat tokens. Written with the `gguf` package (the
+GPT-2 unicode strings, the merges, pre-tokenizer "gpt-2" (llama.cpp's name for GPT-2's split
+pattern, kiln's default), token types (special tokens are control tokens), eos/bos and the chat
+template when the tokenizer has the chat tokens. Written with the `gguf` package (the
 `gguf` extra) to a temporary name beside OUT and renamed, so OUT never holds half a file.
 
 llama.cpp's RoPE (mode 0) rotates adjacent pairs, kiln's (and HF's) the two halves of a head,
