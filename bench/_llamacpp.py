@@ -1,5 +1,5 @@
 """llama.cpp through llama-cpp-python's low-level API: greedy decoding of many sequences at once
-and logits of a token sequence, for bench/serve.py and bench/gguf.py.
+and logits of a token sequence, for bench/serve.py and bench/gguf_parity.py.
 
 llama-cpp-python's own server takes one request at a time (a lock around the model), and the
 library does not build llama.cpp's `llama-server`; so the concurrent runs here do what that

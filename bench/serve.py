@@ -8,7 +8,7 @@ through kiln's export, CTranslate2 converted from that export at fp32 and int8, 
 latency of the engine under a Poisson arrival stream: time to first token and time per token.
 
     .venv/bin/python bench/serve.py --tiny             # a few seconds: proves every column runs
-    .venv/bin/python bench/serve.py --race             # the CPU race (docs/export.md)
+    .venv/bin/python bench/serve.py --race --threads 1  # the CPU race (docs/export.md); then 2
     .venv/bin/python bench/serve.py --quick            # seconds per configuration
     .venv/bin/python bench/serve.py --models gpt2 --concurrency 32 --rounds 3 --threads 1,2
 
@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--models", default="demo,gpt2", help="demo,gpt2")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", default="1", help="thread counts, each its own tables: 1,2")
+    ap.add_argument("--threads", help="thread counts, each its own tables: 1,2 (default 1)")
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS,
                     help="of: " + DEFAULT_SYSTEMS + ",llama-seq-f16")  # fmt: skip
     ap.add_argument("--poisson-seconds", type=float, default=10.0, help="0 skips the latency run")
@@ -242,8 +242,8 @@ def main() -> None:
     if args.tiny:
         args.quick, args.models, args.concurrency, args.poisson_seconds = True, "demo", "1,4", 0
     if args.race:
-        args.models, args.concurrency, args.threads, args.poisson_seconds = (
-            "demo,gpt2", "1,32", "1,2", 0)  # fmt: skip
+        args.models, args.concurrency, args.poisson_seconds = "demo,gpt2", "1,32", 0
+        args.threads = args.threads or "1,2"
     measured = begin("bench/serve.py", args.noisy)
     systems = args.systems.split(",")
     if not available() and any(s in LLAMA_FILES for s in systems):
@@ -251,7 +251,7 @@ def main() -> None:
               "(pip install -e '.[llamacpp]')")  # fmt: skip
         systems = [s for s in systems if s not in LLAMA_FILES]
     print(f"# bench/serve.py {' '.join(sys.argv[1:])}: torch {torch.__version__}")
-    for threads in map(int, args.threads.split(",")):
+    for threads in map(int, (args.threads or "1").split(",")):
         torch.set_num_threads(threads)
         for name in args.models.split(","):
             run_model(name, args, systems, threads)

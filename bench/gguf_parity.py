@@ -7,8 +7,8 @@ scored), so their bits per byte compare directly: llama.cpp's f32/f16/q8_0/q4_0 
 fp32, int8 (per-row) and int4 (groups of 32, q4_0's block). Greedy agreement: --prompts story
 openings, --new-tokens each, kiln fp32 generate against each llama.cpp file.
 
-    .venv/bin/python bench/gguf.py --model runs/demo-<stamp>        # about a minute on the demo
-    .venv/bin/python bench/gguf.py --model runs/demo --docs 40 --threads 2
+    .venv/bin/python bench/gguf_parity.py --model runs/demo-<stamp>        # about a minute on the demo
+    .venv/bin/python bench/gguf_parity.py --model runs/demo --docs 40 --threads 2
 
 bytes = UTF-8 bytes of the scored tokens (end-of-text scores but has no bytes).
 """
@@ -85,9 +85,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     add_noisy_flag(ap)
     args = ap.parse_args()
+    measured = begin("bench/gguf_parity.py", args.noisy)
     if not available():
-        sys.exit("bench/gguf.py needs llama-cpp-python: pip install -e '.[llamacpp]'")
-    measured = begin("bench/gguf.py", args.noisy)
+        sys.exit("bench/gguf_parity.py needs llama-cpp-python: pip install -e '.[llamacpp]'")
     torch.set_num_threads(args.threads)
     loaded = load_checkpoint(args.model)
     model, tok = loaded.model.eval(), loaded.tokenizer
@@ -101,7 +101,7 @@ def main() -> None:
     windows = [w for w in windows if len(w) > 1]
     n_bytes = sum(len(tok.decode_bytes([t])) for w in windows for t in w[1:] if t != eot)
     prompts = [[eot, *tok.encode_ordinary(s)[:12]] for s in stories(args.prompts)]
-    print(f"# bench/gguf.py {' '.join(sys.argv[1:])}: {loaded.path}, {len(windows)} windows of "
+    print(f"# bench/gguf_parity.py {' '.join(sys.argv[1:])}: {loaded.path}, {len(windows)} windows of "
           f"{window} tokens ({sum(map(len, windows)):,} tokens, {n_bytes:,} bytes), "
           f"{args.threads} thread(s)")  # fmt: skip
 
