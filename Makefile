@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo test test-kernels test-all llamacpp test-llamacpp mutants lint bench-tokenizer bench-model bench-attention bench-data clean
+.PHONY: demo venv test test-kernels test-all llamacpp test-llamacpp mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve,gguf]'
 	touch $(STAMP)
+
+venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kiln demo
