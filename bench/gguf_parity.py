@@ -4,7 +4,8 @@ A trained run is exported with `kiln export --gguf` at f32, f16, q8_0 and q4_0; 
 (llama-cpp-python) and kiln then score the very same token windows of TinyStories valid (the
 first --docs stories, as one stream in --window-token windows, each window's first token not
 scored), so their bits per byte compare directly: llama.cpp's f32/f16/q8_0/q4_0 against kiln's
-fp32, int8 (per-row) and int4 (groups of 32, q4_0's block). Greedy agreement: --prompts story
+fp32, int8 (per-row) and int4 (groups of 32, q4_0's block), with the head quantized too where it
+is the (quantized) tied embedding, as in the GGUF files. Greedy agreement: --prompts story
 openings, --new-tokens each, kiln fp32 generate against each llama.cpp file.
 
     .venv/bin/python bench/gguf_parity.py --model runs/demo-<stamp>        # about a minute on the demo
@@ -107,20 +108,29 @@ def main() -> None:
 
     kiln_rows: dict[str, float] = {}
     reference = generate(model, prompts, args.new_tokens, temperature=0.0)
-    for name, mode, group in (("fp32", None, 0), ("int8", "int8", 64), ("int4 g32", "int4", 32)):
+    variants = (("fp32", None, 0, False), ("int8", "int8", 64, False),
+                ("int8 +head", "int8", 64, True), ("int4 g32", "int4", 32, False),
+                ("int4 g32 +head", "int4", 32, True))  # fmt: skip
+    for name, mode, group, head in variants:
         variant = model
         if mode is not None:
             variant = copy.deepcopy(model)
-            quantize_model(variant, mode, group)
+            quantize_model(variant, mode, group, head)
         t = time.perf_counter()
         kiln_rows[name] = score(kiln_logits(variant, cfg.vocab_size), windows, n_bytes)
-        print(f"  kiln {name}: {kiln_rows[name]:.4f} bpb ({time.perf_counter() - t:.1f} s)",
-              flush=True)  # fmt: skip
+        outs = generate(variant, prompts, args.new_tokens, temperature=0.0)
+        same = sum(a == b for a, b in zip(outs, reference, strict=True))
+        print(f"  kiln {name}: {kiln_rows[name]:.4f} bpb, greedy equal to fp32 on {same}/"
+              f"{len(prompts)} prompts ({time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
 
     print("\n| weights | llama.cpp bpb | kiln (same bits) bpb | llama ÷ kiln | "
           "greedy prompts equal to kiln fp32 | file MB |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    pairs = {"f32": "fp32", "f16": "fp32", "q8_0": "int8", "q4_0": "int4 g32"}
+    # The GGUF files quantize the embedding too, which is the head when it is tied: so the
+    # quantized files are set beside kiln's variants with the head quantized.
+    head = "+head" if cfg.tie_embeddings else ""
+    pairs = {"f32": "fp32", "f16": "fp32", "q8_0": f"int8 {head}".strip(),
+             "q4_0": f"int4 g32 {head}".strip()}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for quant in QUANTS:
             path = Path(tmp) / f"{quant}.gguf"
