@@ -66,10 +66,18 @@ class LlamaCpp:
         self.batch = L.llama_batch_init(n_batch, 0, 1)
 
     def close(self) -> None:
-        """Free the batch, the context and the model."""
+        """Free the batch, the context and the model (once; also when garbage-collected)."""
+        if self.ctx is None:
+            return
         self.L.llama_batch_free(self.batch)
         self.L.llama_free(self.ctx)
         self.L.llama_model_free(self.model)
+        self.ctx = None
+
+    def __del__(self) -> None:
+        """The C memory goes with the object (bench/serve.py builds many, one per table)."""
+        if getattr(self, "ctx", None) is not None:
+            self.close()
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, sequence, wants logits) entries."""

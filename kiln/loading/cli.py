@@ -96,11 +96,18 @@ def run_export(args: argparse.Namespace) -> int:
 
 def _run_gguf_export(args: argparse.Namespace) -> int:
     """`--gguf`: load the checkpoint whole and write it as one GGUF file."""
+    from kiln.checkpoint_format import is_sharded_checkpoint
     from kiln.io import check_can_write
     from kiln.train.export_gguf import check_quant, describe_gguf, export_gguf
 
-    check_quant(args.quant or "f16")  # both before the (slow) load
+    check_quant(args.quant or "f16")  # all three before the (slow) load
     check_can_write(Path(args.gguf), args.force)
+    checkpoint = find_checkpoint(args.run, args.step)
+    if is_sharded_checkpoint(checkpoint):
+        raise KilnError(
+            f"{checkpoint}: a sharded checkpoint; --gguf reads whole ones only (not yet "
+            "supported: export it with --hf, which converts shards)"
+        )
     loaded = load_checkpoint(args.run, args.step, args.tokenizer, weights_too=True)
     result = export_gguf(
         loaded.model, loaded.tokenizer, loaded.eot_token, args.gguf, args.quant or "f16",

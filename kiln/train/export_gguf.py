@@ -260,7 +260,9 @@ def export_gguf(
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.chmod(tmp, 0o644)
+        umask = os.umask(0)  # mkstemp makes 0600 files; give the one a plain open() would
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
