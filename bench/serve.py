@@ -260,6 +260,7 @@ def main() -> None:
 
 def run_model(name: str, args: argparse.Namespace, systems: list[str], threads: int) -> None:
     """The throughput table (and the latency line) of one model at one thread count."""
+    started = time.perf_counter()
     cfg = model_config(name)
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
@@ -325,6 +326,7 @@ def run_model(name: str, args: argparse.Namespace, systems: list[str], threads: 
               f"p99 {stats['ttft_p99']:.0f} ms; TPOT p50 {stats['tpot_p50']:.0f} ms, "
               f"p99 {stats['tpot_p99']:.0f} ms", flush=True)  # fmt: skip
     tmp.cleanup()
+    print(f"({name}, {threads} thread(s): {time.perf_counter() - started:.0f} s with set-up)")
 
 
 if __name__ == "__main__":
