@@ -235,14 +235,14 @@ def main() -> None:
                     help="demo model, 1 and 4 requests, short lengths, no latency run: proves "
                          "every column runs, in seconds")  # fmt: skip
     ap.add_argument("--race", action="store_true",
-                    help="issue 32's CPU race: demo and gpt2, 1 and 32 requests, 1 and 2 threads, "
-                         "every system, no latency run")  # fmt: skip
+                    help="issue 32's CPU race: 1 and 32 requests, 1 and 2 threads (or --threads), "
+                         "every system, no latency run; demo and gpt2 (or --models)")  # fmt: skip
     add_noisy_flag(ap)
     args = ap.parse_args()
     if args.tiny:
         args.quick, args.models, args.concurrency, args.poisson_seconds = True, "demo", "1,4", 0
     if args.race:
-        args.models, args.concurrency, args.poisson_seconds = "demo,gpt2", "1,32", 0
+        args.concurrency, args.poisson_seconds = "1,32", 0  # --models picks one of the two
         args.threads = args.threads or "1,2"
     measured = begin("bench/serve.py", args.noisy)
     systems = args.systems.split(",")
