@@ -285,10 +285,10 @@ def run_model(name: str, args: argparse.Namespace, systems: list[str], threads: 
             runners[key] = lambda w, g=gen: run_ct2(g, w)
     concurrency = list(map(int, args.concurrency.split(",")))
     longest = 2 * (48 if args.quick else 128)
-    runners.update(llama_runners(model, Path(tmp.name), systems, threads, max(concurrency),
+    runners.update(llama_runners(model, Path(tmp.name), systems, threads, max(2, *concurrency),
                                  longest))  # fmt: skip
     runners = {k: runners[k] for k in systems if k in runners}
-    for run in runners.values():  # warm-up: first-call allocations and kernel choices
+    for run in runners.values():  # warm-up (2 requests): first-call allocations, kernel choices
         run(workload(2, cfg, True, seed=99))
     ratio_cols = [("kiln", s) for s in runners if s != "kiln" and "kiln" in runners]
     if "kiln-int8" in runners:
