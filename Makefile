@@ -6,14 +6,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
-.PHONY: demo storyteller test test-kernels test-all mutants lint bench-tokenizer bench-model bench-attention bench-data clean
+.PHONY: demo storyteller venv test test-kernels test-all llamacpp test-llamacpp mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve]'
+	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve,gguf]'
 	touch $(STAMP)
+
+venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kiln demo
@@ -32,6 +34,16 @@ test: $(STAMP)
 # count, each its own process; a table of tests × cells (docs/testing.md).
 test-kernels: $(STAMP)
 	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) tools/test_kernels.py --threads 1,2
+
+# llama.cpp (llama-cpp-python, the llamacpp extra) for the GGUF parity tests (marker llamacpp) and
+# bench/serve.py's llama.cpp columns. Built from source; GGML_NATIVE=OFF so the build (and the
+# wheel pip caches) runs on any x86-64 CPU, not only the one that built it. pip reuses its cached
+# wheel on a machine that built it once (seconds); a first build takes minutes (docs/export.md).
+llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -e '.[llamacpp]'
+
+test-llamacpp: llamacpp
+	KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q -m llamacpp
 
 test-all: $(STAMP)
 	KILN_REQUIRE_NATIVE=1 KILN_REQUIRE_SHARED=1 $(PY) -m pytest -q

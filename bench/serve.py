@@ -1,24 +1,35 @@
-"""kiln's engine against HF transformers generate and CTranslate2, side by side in one run.
+"""kiln's engine against HF transformers generate, CTranslate2 and llama.cpp, side by side.
 
 Offline throughput (generated tokens/s) for 1, 8, 32 and 64 concurrent requests with mixed
 prompt and output lengths, on the demo-sized model (kiln/assets/demo.toml's shape, random
-weights) and a GPT-2-124M-shaped random model; all three run the very same weights (HF through
-kiln's export, CTranslate2 converted from that export, fp32 and int8). Then latency of the
-engine under a Poisson arrival stream: time to first token and time per output token.
+weights) and a GPT-2-124M-shaped random model; every system runs the very same weights (HF
+through kiln's export, CTranslate2 converted from that export at fp32 and int8, llama.cpp from
+`kiln export --gguf` at f32, f16 and q8_0; kiln's engine batch-invariant, not, and int8). Then
+latency of the engine under a Poisson arrival stream: time to first token and time per token.
 
+    .venv/bin/python bench/serve.py --tiny             # a few seconds: proves every column runs
+    .venv/bin/python bench/serve.py --race --threads 1  # the CPU race (docs/export.md); then 2
     .venv/bin/python bench/serve.py --quick            # seconds per configuration
-    .venv/bin/python bench/serve.py --models gpt2 --concurrency 32 --rounds 3
+    .venv/bin/python bench/serve.py --models gpt2 --concurrency 32 --rounds 3 --threads 1,2
+
+llama.cpp runs through llama-cpp-python (the llamacpp extra; its columns are left out with a
+note when it is not installed). Its own server takes one request at a time, so the concurrent
+runs drive its batch API the way llama-server's parallel slots do (bench/_llamacpp.py):
+"llama-*" columns decode every live request in one llama_decode per step; "llama-seq-f16" runs
+the requests one after another, as llama-cpp-python's server would.
 
 Counting: every system is credited with the tokens the requests asked for. HF and CTranslate2
 decode one static batch (left-padded) until its longest request is done; the engine lets each
 request leave when it is done and fills its place. One torch thread and one CTranslate2 thread
 by default (a shared 2-core machine); rounds alternate the systems so load from other processes
-hits them alike, and the median round is reported.
+hits them alike, and the median round is reported. `--threads 1,2` repeats every table per
+thread count (torch, CTranslate2 and llama.cpp alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import sys
@@ -32,10 +43,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._llamacpp import LlamaCpp, available
 from bench._load import add_noisy_flag, begin
 from kiln.model import ModelConfig, Transformer
 from kiln.model.hf import save_hf_dir, to_hf
+from kiln.quant.quantize import quantize_model
 from kiln.serve.engine import Engine, EngineConfig, SamplingParams
+from kiln.tokenizer import Tokenizer
+from kiln.tokenizer.special import EOT
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+LLAMA_FILES = {"llama-f32": "f32", "llama-f16": "f16", "llama-q8_0": "q8_0", "llama-seq-f16": "f16"}
+# The 8-bit columns kiln-int8 is compared with, beside kiln (fp32) against every column.
+EIGHT_BIT = ("ct2-int8", "llama-q8_0")
+DEFAULT_SYSTEMS = "kiln,kiln-variant,kiln-int8,hf,ct2-fp32,ct2-int8,llama-f32,llama-f16,llama-q8_0"
 
 Workload = tuple[list[list[int]], list[int]]  # prompts, output lengths
 
@@ -121,6 +142,48 @@ def ct2_generators(model: Transformer, folder: Path, threads: int) -> dict[str, 
     return out
 
 
+def gpt2_tokenizer(vocab_size: int) -> Tokenizer:
+    """GPT-2's tokenizer cut to vocab_size ids (its first merges, end-of-text last): llama.cpp
+    needs a vocabulary in the file, though the runs here feed it token ids."""
+    full = Tokenizer.from_gpt2(SHARED / "gpt2" / "vocab.json", SHARED / "gpt2" / "merges.txt")
+    if vocab_size == full.n_vocab:
+        return full
+    keep = vocab_size - 1
+    vocab = {i: b for i, b in full.vocab.items() if i < keep}
+    return Tokenizer(vocab, full.merges[: keep - 256], {EOT: keep})
+
+
+def llama_runners(
+    model: Transformer, folder: Path, systems: list[str], threads: int, n_seq: int, seq_len: int
+) -> dict[str, Callable[[Workload], float]]:
+    """llama.cpp runners for the llama-* systems asked for, from kiln's GGUF exports."""
+    from kiln.train.export_gguf import export_gguf
+
+    tok = gpt2_tokenizer(model.cfg.vocab_size)
+    out: dict[str, Callable[[Workload], float]] = {}
+    for name in (s for s in systems if s in LLAMA_FILES):
+        path = folder / f"{LLAMA_FILES[name]}.gguf"
+        if not path.exists():
+            export_gguf(model, tok, EOT, path, LLAMA_FILES[name])
+        seq = name.startswith("llama-seq")
+        llm = LlamaCpp(path, threads, n_seq=1 if seq else n_seq, seq_len=seq_len)
+        out[name] = lambda w, m=llm, one=seq: run_llama(m, w, one)
+    return out
+
+
+def run_llama(llm: LlamaCpp, work: Workload, one_at_a_time: bool) -> float:
+    """Seconds for llama.cpp to finish every request (together, or one after another)."""
+    prompts, outs = work
+    t = time.perf_counter()
+    if one_at_a_time:
+        done = [llm.greedy([p], [o])[0] for p, o in zip(prompts, outs, strict=True)]
+    else:
+        done = llm.greedy(prompts, outs)
+    dt = time.perf_counter() - t
+    assert [len(d) for d in done] == outs
+    return dt
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (nearest rank) of values."""
     ordered = sorted(values)
@@ -164,71 +227,106 @@ def main() -> None:
     ap.add_argument("--models", default="demo,gpt2", help="demo,gpt2")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--systems", default="kiln,hf,ct2-fp32,ct2-int8",
-                    help="also: kiln-variant (batch_invariant=False)")  # fmt: skip
+    ap.add_argument("--threads", help="thread counts, each its own tables: 1,2 (default 1)")
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS,
+                    help="of: " + DEFAULT_SYSTEMS + ",llama-seq-f16")  # fmt: skip
     ap.add_argument("--poisson-seconds", type=float, default=10.0, help="0 skips the latency run")
+    ap.add_argument("--tiny", action="store_true",
+                    help="demo model, 1 and 4 requests, short lengths, no latency run: proves "
+                         "every column runs, in seconds")  # fmt: skip
+    ap.add_argument("--race", action="store_true",
+                    help="issue 32's CPU race: 1 and 32 requests, 1 and 2 threads (or --threads), "
+                         "every system, no latency run; demo and gpt2 (or --models)")  # fmt: skip
     add_noisy_flag(ap)
     args = ap.parse_args()
+    if args.tiny:
+        args.quick, args.models, args.concurrency, args.poisson_seconds = True, "demo", "1,4", 0
+    if args.race:
+        args.concurrency, args.poisson_seconds = "1,32", 0  # --models picks one of the two
+        args.threads = args.threads or "1,2"
     measured = begin("bench/serve.py", args.noisy)
-    torch.set_num_threads(args.threads)
     systems = args.systems.split(",")
-    print(f"# bench/serve.py {' '.join(sys.argv[1:])}: torch {torch.__version__}, "
-          f"{args.threads} thread(s)")  # fmt: skip
-    for name in args.models.split(","):
-        cfg = model_config(name)
-        torch.manual_seed(0)
-        model = Transformer(cfg).eval()
-        runners: dict[str, Callable[[Workload], float]] = {}
-        engines = {
-            "kiln": Engine(model, None, EngineConfig()),
-            "kiln-variant": Engine(model, None, EngineConfig(batch_invariant=False)),
-        }
-        for key, engine in engines.items():
-            runners[key] = lambda w, e=engine: run_kiln(e, w)
-        hf = to_hf(model)
-        hf.config._attn_implementation = "sdpa"
-        runners["hf"] = lambda w, m=hf: run_hf(m, w)
-        tmp = tempfile.TemporaryDirectory()
-        if any(s.startswith("ct2") for s in systems):
-            for key, gen in ct2_generators(model, Path(tmp.name), args.threads).items():
-                runners[key] = lambda w, g=gen: run_ct2(g, w)
-        runners = {k: v for k, v in runners.items() if k in systems}
-        for run in runners.values():  # warm-up: first-call allocations and kernel choices
-            run(workload(2, cfg, True, seed=99))
-        print(f"\n## {name}: {cfg.num_params() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}")
-        print("| requests | " + " | ".join(f"{s} tok/s" for s in runners) + " | "
-              + " | ".join(f"kiln ÷ {s}" for s in runners if s != "kiln") + " |")  # fmt: skip
-        print("|---" * (2 * len(runners)) + "|")
-        completed: dict[int, float] = {}  # requests/s the engine finished, by concurrency
-        for n in map(int, args.concurrency.split(",")):
-            work = workload(n, cfg, args.quick, seed=n)
-            useful = sum(work[1])
-            times: dict[str, list[float]] = {s: [] for s in runners}
-            for r in range(args.rounds):
-                order = list(runners)[r % len(runners) :] + list(runners)[: r % len(runners)]
-                for s in order:
-                    times[s].append(runners[s](work))
-            tps = {s: useful / statistics.median(t) for s, t in times.items()}
-            if "kiln" in times:
-                completed[n] = n / statistics.median(times["kiln"])
-            ratios = [tps["kiln"] / tps[s] for s in runners if s != "kiln" and "kiln" in tps]
-            print(f"| {n} | " + " | ".join(f"{tps[s]:.0f}" for s in runners) + " | "
-                  + " | ".join(f"{x:.2f}" for x in ratios) + " |", flush=True)  # fmt: skip
-        if args.poisson_seconds > 0 and completed:
-            # The stream draws its requests like the throughput runs did, so 80% of the best
-            # completion rate measured above keeps the engine about 80% busy.
-            peak_n = max(completed, key=completed.__getitem__)
-            rate = 0.8 * completed[peak_n]
-            stats = poisson_latency(engines["kiln"], cfg, rate, args.poisson_seconds, args.quick)
-            print(f"\nPoisson arrivals at {rate:.2f} req/s (80% of the {completed[peak_n]:.2f} "
-                  f"req/s the engine completed at {peak_n} concurrent requests) for "
-                  f"{args.poisson_seconds:.0f} s "
-                  f"({stats['requests']} requests): TTFT p50 {stats['ttft_p50']:.0f} ms, "
-                  f"p99 {stats['ttft_p99']:.0f} ms; TPOT p50 {stats['tpot_p50']:.0f} ms, "
-                  f"p99 {stats['tpot_p99']:.0f} ms", flush=True)  # fmt: skip
-        tmp.cleanup()
+    if not available() and any(s in LLAMA_FILES for s in systems):
+        print("# llama.cpp columns left out: llama-cpp-python is not installed "
+              "(pip install -e '.[llamacpp]')")  # fmt: skip
+        systems = [s for s in systems if s not in LLAMA_FILES]
+    print(f"# bench/serve.py {' '.join(sys.argv[1:])}: torch {torch.__version__}")
+    for threads in map(int, (args.threads or "1").split(",")):
+        torch.set_num_threads(threads)
+        for name in args.models.split(","):
+            run_model(name, args, systems, threads)
     print(measured.line())
+
+
+def run_model(name: str, args: argparse.Namespace, systems: list[str], threads: int) -> None:
+    """The throughput table (and the latency line) of one model at one thread count."""
+    started = time.perf_counter()
+    cfg = model_config(name)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    runners: dict[str, Callable[[Workload], float]] = {}
+    engines = {
+        "kiln": Engine(model, None, EngineConfig()),
+        "kiln-variant": Engine(model, None, EngineConfig(batch_invariant=False)),
+    }
+    if "kiln-int8" in systems:
+        int8 = copy.deepcopy(model)
+        paths = quantize_model(int8, "int8").paths  # the kernel a timed probe picked
+        print(f"\n# kiln-int8 ({name}, {threads} thread(s)): {paths}")
+        engines["kiln-int8"] = Engine(int8, None, EngineConfig())
+    for key, engine in engines.items():
+        runners[key] = lambda w, e=engine: run_kiln(e, w)
+    hf = to_hf(model)
+    hf.config._attn_implementation = "sdpa"
+    runners["hf"] = lambda w, m=hf: run_hf(m, w)
+    tmp = tempfile.TemporaryDirectory()
+    if any(s.startswith("ct2") for s in systems):
+        for key, gen in ct2_generators(model, Path(tmp.name), threads).items():
+            runners[key] = lambda w, g=gen: run_ct2(g, w)
+    concurrency = list(map(int, args.concurrency.split(",")))
+    longest = 2 * (48 if args.quick else 128)
+    runners.update(llama_runners(model, Path(tmp.name), systems, threads, max(2, *concurrency),
+                                 longest))  # fmt: skip
+    runners = {k: runners[k] for k in systems if k in runners}
+    for run in runners.values():  # warm-up (2 requests): first-call allocations, kernel choices
+        run(workload(2, cfg, True, seed=99))
+    ratio_cols = [("kiln", s) for s in runners if s != "kiln" and "kiln" in runners]
+    if "kiln-int8" in runners:
+        ratio_cols += [("kiln-int8", s) for s in EIGHT_BIT if s in runners]
+    print(f"\n## {name}: {cfg.num_params() / 1e6:.1f}M parameters, vocab {cfg.vocab_size}, "
+          f"{threads} thread(s)")  # fmt: skip
+    print("| requests | " + " | ".join(f"{s} tok/s" for s in runners) + " | "
+          + " | ".join(f"{a} ÷ {b}" for a, b in ratio_cols) + " |")  # fmt: skip
+    print("|---" * (1 + len(runners) + len(ratio_cols)) + "|")
+    completed: dict[int, float] = {}  # requests/s the engine finished, by concurrency
+    for n in map(int, args.concurrency.split(",")):
+        work = workload(n, cfg, args.quick, seed=n)
+        useful = sum(work[1])
+        times: dict[str, list[float]] = {s: [] for s in runners}
+        for r in range(args.rounds):
+            order = list(runners)[r % len(runners) :] + list(runners)[: r % len(runners)]
+            for s in order:
+                times[s].append(runners[s](work))
+        tps = {s: useful / statistics.median(t) for s, t in times.items()}
+        if "kiln" in times:
+            completed[n] = n / statistics.median(times["kiln"])
+        ratios = [tps[a] / tps[b] for a, b in ratio_cols]
+        print(f"| {n} | " + " | ".join(f"{tps[s]:.0f}" for s in runners) + " | "
+              + " | ".join(f"{x:.2f}" for x in ratios) + " |", flush=True)  # fmt: skip
+    if args.poisson_seconds > 0 and completed:
+        # The stream draws its requests like the throughput runs did, so 80% of the best
+        # completion rate measured above keeps the engine about 80% busy.
+        peak_n = max(completed, key=completed.__getitem__)
+        rate = 0.8 * completed[peak_n]
+        stats = poisson_latency(engines["kiln"], cfg, rate, args.poisson_seconds, args.quick)
+        print(f"\nPoisson arrivals at {rate:.2f} req/s (80% of the {completed[peak_n]:.2f} "
+              f"req/s the engine completed at {peak_n} concurrent requests) for "
+              f"{args.poisson_seconds:.0f} s "
+              f"({stats['requests']} requests): TTFT p50 {stats['ttft_p50']:.0f} ms, "
+              f"p99 {stats['ttft_p99']:.0f} ms; TPOT p50 {stats['tpot_p50']:.0f} ms, "
+              f"p99 {stats['tpot_p99']:.0f} ms", flush=True)  # fmt: skip
+    tmp.cleanup()
+    print(f"({name}, {threads} thread(s): {time.perf_counter() - started:.0f} s with set-up)")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ SCRIPTS = {
     "data_offsets": [],
     "data_scale": ["--tmp", "T"],
     "distill": ["T/o"],
+    "gguf_parity": ["--model", "T/m"],
     "invariance": ["--out", "T/i.json"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],
