@@ -255,6 +255,9 @@ class TeacherShards(TokenShards):
 def prepare(cfg: DistillConfig) -> tuple[DistillConfig, TeacherShards, Transformer, Any]:
     """(the resolved config, its data, the teacher in eval mode, the student hook or None)."""
     s = cfg.distill
+    if s.on_policy and not s.gen_tokens < cfg.data.seq_len:
+        raise KilnError(f"distill.gen_tokens ({s.gen_tokens}) must be < data.seq_len "
+                        f"({cfg.data.seq_len}): the window keeps a prompt")  # fmt: skip
     data = TeacherShards(cfg.data.dataset)
     teacher = load_model(s.teacher, device="cpu", dtype="fp32")
     check_same_tokenizer(teacher, s.teacher, data)
