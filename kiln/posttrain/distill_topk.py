@@ -141,6 +141,9 @@ def ensure(
             return have
     elif folder.exists() and any(folder.iterdir()):
         raise KilnError(f"{folder} exists and holds no top-k manifest; choose another topk_dir")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the same folder
+        raise KilnError(f"{folder}: no teacher top-{want['k']} shards yet; write them once "
+                        f"before torchrun with `kiln distill CONFIG --precompute-topk {want['k']}`")  # fmt: skip
     made = build()
     say(f"kiln distill: wrote teacher top-{want['k']} shards {folder}: {made['bytes']:,} bytes "
         f"({made['bytes'] / 1e6:,.1f} MB) for {made['windows']:,} windows")  # fmt: skip
