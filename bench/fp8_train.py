@@ -66,7 +66,7 @@ def train(name: str, sets: list[str], args: argparse.Namespace, data: Path) -> d
     }  # fmt: skip
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, what: str) -> None:
     """The loss curves of every run on one chart."""
     from kiln.plotting import pyplot, save_png
 
@@ -76,7 +76,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.plot(range(1, len(row["losses"]) + 1), row["losses"], label=row["run"], linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/token)")
-    ax.set_title("demo recipe: fp8 (emulated) vs bf16 vs fp32, same steps and data")
+    ax.set_title(f"{what}: fp8 (emulated) vs bf16 vs fp32, same steps and data")
     ax.set_ylim(top=min(8.5, max(max(r["losses"]) for r in rows)))
     ax.legend()
     save_png(fig, path)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['run']} | {r['final_loss']:.4f} | {r['final_loss'] / base['final_loss']:.4f} "
               f"| {val:.4f} | {val / (base['val_loss'] or float('nan')):.4f} "
               f"| {r['seconds']:.0f} |")  # fmt: skip
-    plot(rows, args.out / "fp8_loss.png")
+    plot(rows, args.out / "fp8_loss.png", "tiny model" if args.tiny else "demo recipe")
     print(f"\ncurves: {args.out / 'fp8_loss.png'}")
     print(measured.line())
     from kiln.io import write_json_atomic
