@@ -9,6 +9,10 @@ dequantize, then an fp32 matmul).
 
     .venv/bin/python bench/lowprec.py --model runs/demo
     .venv/bin/python bench/lowprec.py --model runs/demo --max-bytes 200000 --out /tmp/lowprec.json
+    .venv/bin/python bench/lowprec.py --model runs/demo --tiny --noisy   # 20 KB of text: it works
+
+bytes/param is the whole model's bytes over its parameter count (embeddings and norms stay fp32,
+so it is above bits/weight / 8 of the quantized layers alone).
 """
 
 from __future__ import annotations
@@ -93,12 +97,16 @@ def main() -> int:
     p.add_argument("--bpb", type=Path, default=SHARED / "tinystories" / "valid.txt.gz")
     p.add_argument("--max-bytes", type=int, help="score only the first N bytes of --bpb")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--tiny", action="store_true", help="score only 20,000 bytes (a quick check)")
     add_noisy_flag(p)
     args = p.parse_args()
+    if args.tiny and args.max_bytes is None:
+        args.max_bytes = 20_000
     measured = begin("bench/lowprec.py", args.noisy)
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype="fp32")
     base = loaded.model
+    n_params = sum(p.numel() for p in base.parameters())
     text, tmp = text_file(args.bpb, args.max_bytes)
     n_bytes = sum(len(d.encode()) for d in read_documents(text))
     print(f"model: {loaded.source}; {model_bytes(base) / 1e6:.2f} MB; text {n_bytes:,} bytes")
@@ -110,7 +118,8 @@ def main() -> int:
             scored = bits_per_byte(Scorer(model, 16, False), loaded.tokenizer, text, loaded.eot_id)
             rows[name] = {
                 "bpb": scored.bits_per_byte, "loss": scored.loss, "tokens": scored.n_tokens,
-                "bytes": model_bytes(model), "bits_per_weight": bits, "weight_rel_err": weight_err,
+                "bytes": model_bytes(model), "bytes_per_param": model_bytes(model) / n_params,
+                "bits_per_weight": bits, "weight_rel_err": weight_err,
                 "score_s": time.perf_counter() - started,
             }  # fmt: skip
             print(name, json.dumps(rows[name]), flush=True)
@@ -132,13 +141,13 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
     ref = rows["fp32"]
     print(
         "\n| weights | bpb | Δ bpb vs fp32 | loss (nats/token) | weight rel. error | "
-        "bits/weight (linear layers) | MB | × fp32 bytes |"
+        "bits/weight (linear layers) | bytes/param | MB | × fp32 bytes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['bpb']:.4f} | {(r['bpb'] / ref['bpb'] - 1) * 100:+.2f}% | "
-            f"{r['loss']:.4f} | {r['weight_rel_err']:.4f} | {r['bits_per_weight']:.2f} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['loss']:.4f} | {r['weight_rel_err']:.4f} | {r['bits_per_weight']:.2f} | {r['bytes_per_param']:.3f} | {r['bytes'] / 1e6:.2f} | "
             f"{r['bytes'] / ref['bytes']:.3f} |"
         )
 

@@ -150,3 +150,30 @@ def distill_loss(
     if kl.numel() == 0:
         return student.sum() * 0.0
     return kl.mean() * temperature**2
+
+
+def topk_distill_loss(
+    student: Tensor,
+    ids: Tensor,
+    teacher_topk: Tensor,
+    targets: Tensor,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+) -> Tensor:
+    """`distill_loss` over the teacher's top-k, renormalised: both sides softmaxed on those ids.
+
+    student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_topk (..., K)
+    its logits there. The tail beyond K is dropped (no bucket), so K = V gives `distill_loss`.
+    """
+    if kind not in ("forward_kl", "reverse_kl"):
+        raise ValueError(f"distill loss kind must be forward_kl or reverse_kl, got {kind!r}")
+    keep = targets.reshape(-1) >= 0  # (N,)
+    V, K = student.size(-1), ids.size(-1)
+    picked = student.reshape(-1, V)[keep].float().gather(1, ids.reshape(-1, K)[keep])  # (n, K)
+    s = torch.log_softmax(picked / temperature, dim=-1)
+    t = torch.log_softmax(teacher_topk.reshape(-1, K)[keep].float() / temperature, dim=-1)
+    p, q = (t, s) if kind == "forward_kl" else (s, t)
+    kl = (p.exp() * (p - q)).sum(-1)  # (n,)
+    if kl.numel() == 0:
+        return student.sum() * 0.0
+    return kl.mean() * temperature**2

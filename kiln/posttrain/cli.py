@@ -205,7 +205,10 @@ DISTILL_EXAMPLES = """examples:
   kiln distill configs/distill.toml --set distill.teacher=runs/demo --set data.dataset=data/stories
   kiln distill configs/distill.toml --set distill.loss=reverse_kl --set distill.ce_weight=0.5
   kiln distill configs/heal.toml --set distill.student=runs/pruned   # heal a pruned model
-  kiln distill configs/distill.toml --resume"""
+  kiln distill configs/distill.toml --resume
+  kiln distill configs/distill.toml --precompute-topk 64            # teacher top-64 shards, once
+  kiln distill configs/distill.toml --set distill.topk=64           # then train from them
+  kiln distill configs/distill.toml --set distill.on_policy=0.5     # GKD: half on-policy"""
 
 
 def _add_distill_command(sub: Any) -> None:
@@ -223,6 +226,12 @@ def _add_distill_command(sub: Any) -> None:
     from kiln.train.cli import add_run_arguments
 
     add_run_arguments(p, "distillation config (see configs/distill.toml)", "distill.temperature=1")
+    p.add_argument(
+        "--precompute-topk", type=int, metavar="K", default=None,
+        help="only write the teacher's top-K logits beside the token shards (then train with "
+        "--set distill.topk=K)",
+    )  # fmt: skip
+    p.add_argument("--force", action="store_true", help="with --precompute-topk: rebuild them")
     p.set_defaults(handler=run_distill)
 
 
@@ -232,6 +241,11 @@ def run_distill(args: argparse.Namespace) -> int:
     from kiln.train.cli import load_run_config, train_and_report
 
     cfg, run_dir = load_run_config(args, load_distill_config)
+    if args.precompute_topk is not None:
+        from kiln.posttrain.distill import precompute_topk
+
+        precompute_topk(cfg, args.precompute_topk, args.force)
+        return 0
     return train_and_report(cfg, run_dir, args, build=build_trainer, command="distill")
 
 

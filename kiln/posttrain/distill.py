@@ -12,6 +12,11 @@ the student in every micro-step. The student starts from the config's [model] (f
 with `distill.student`, from another model folder's weights and config: pruning's heal step
 (Minitron: prune, then distill from the unpruned model).
 
+Teacher cost: `distill.topk = K` reads the teacher's top-k logits from shards computed once
+beside the token shards (distill_topk.py; the KL over the top-k renormalised) instead of
+running the teacher every micro-step. `distill.on_policy = λ` makes a fraction λ of the
+micro-batches on-policy (GKD: the student samples, the teacher scores; distill_gkd.py).
+
 The val loss is the student's own cross-entropy on the dataset's val split, so a distilled run's
 curve compares with a run trained from scratch. The output is an ordinary run folder (its
 tokenizer found through the dataset, as for `kiln train`). The resolved config records the
@@ -26,15 +31,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from kiln import config as cfgio
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
-from kiln.model.loss import distill_loss
+from kiln.model.loss import distill_loss, topk_distill_loss
 from kiln.model.transformer import Transformer
+from kiln.posttrain import distill_gkd as gkd
+from kiln.posttrain import distill_topk
 from kiln.train.config import TrainConfig
 from kiln.train.sources import TokenShards
 from kiln.train.trainer import Trainer
@@ -52,6 +59,11 @@ class DistillSection:
     kl_weight: float = 1.0
     ce_weight: float = 0.0  # > 0: mix in the usual next-token cross-entropy
     student: str = ""  # "": a fresh [model]; else a model folder to start from (heal a prune)
+    topk: int = 0  # > 0: the teacher's top-k logits from precomputed shards (distill_topk.py)
+    topk_dir: str = ""  # "": DATASET/teacher_topk/k{K}_T{seq_len}
+    on_policy: float = 0.0  # GKD's λ: the fraction of micro-batches the student samples
+    gen_tokens: int = 0  # tokens the student samples per on-policy window; 0: seq_len // 2
+    gen_temperature: float = 1.0  # the student's sampling temperature (0: greedy)
     # Filled in when the run starts: the weights files and their sha256.
     teacher_weights: str = ""
     teacher_sha256: str = ""
@@ -65,6 +77,14 @@ class DistillSection:
         require(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
         require(self.kl_weight >= 0, f"distill.kl_weight must be >= 0, got {self.kl_weight}")
         require(self.ce_weight >= 0, f"distill.ce_weight must be >= 0, got {self.ce_weight}")
+        require(self.topk >= 0, f"distill.topk must be >= 0 (0: the online teacher): {self.topk}")
+        require(0 <= self.on_policy <= 1, f"distill.on_policy must be in [0, 1]: {self.on_policy}")
+        require(self.gen_tokens >= 0, f"distill.gen_tokens must be >= 0: {self.gen_tokens}")
+        require(self.gen_temperature >= 0, "distill.gen_temperature must be >= 0")
+        require(
+            self.on_policy == 0 or self.kl_weight > 0,
+            "distill.on_policy > 0 needs distill.kl_weight > 0 (on-policy batches are KL only)",
+        )
         require(
             self.kl_weight + self.ce_weight > 0,
             "distill.kl_weight and distill.ce_weight are both 0: nothing to learn from",
@@ -91,8 +111,21 @@ def load_distill_config(
 class DistillStep:
     """What the Trainer calls per micro-batch: the student's loss against the frozen teacher."""
 
-    def __init__(self, student: Any, teacher: Transformer, section: DistillSection) -> None:
+    def __init__(
+        self,
+        student: Any,
+        teacher: Transformer,
+        section: DistillSection,
+        seed: int = 0,
+        micro: int = 0,
+        sampler: nn.Module | None = None,
+    ) -> None:
+        # seed, micro: the on-policy draws of micro-step `micro` onwards (a resumed run's index);
+        # sampler: the module the student samples with (the bare model, not a DDP wrapper).
         self.student, self.teacher, self.section = student, teacher, section
+        self.seed, self.micro = seed, micro
+        self.sampler = sampler if sampler is not None else student
+        self.last_sequence: Tensor | None = None  # the last on-policy batch's sampled windows
         # The step's gradient sync (DDP's no_sync, FSDP2's flag) is the student's.
         for name in ("no_sync", "set_requires_gradient_sync"):
             if hasattr(student, name):
@@ -101,12 +134,22 @@ class DistillStep:
     def __call__(self, x: Tensor, y: Tensor, *extra: Tensor) -> Tensor:
         """Mixed KL + CE loss of the student on inputs x (B, T) with next tokens y (B, T)."""
         s = self.section
+        topk = extra[-2:] if s.topk else ()
+        extra = extra[:-2] if s.topk else extra
+        micro, self.micro = self.micro, self.micro + 1
+        if s.on_policy:
+            on, sample_seed = gkd.draws(self.seed, micro, s.on_policy)
+            if on:
+                return self.on_policy_loss(x, sample_seed)
         logits = self.student(x, None, *extra)  # (B, T, V)
-        with torch.no_grad():
-            teacher_logits = self.teacher(x, None, *extra)  # (B, T, V)
         loss = logits.new_zeros((), dtype=torch.float32)
         if s.kl_weight:
-            kl = distill_loss(logits, teacher_logits, y, s.loss, s.temperature)
+            if topk:
+                kl = topk_distill_loss(logits, topk[0], topk[1], y, s.loss, s.temperature)
+            else:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(x, None, *extra)  # (B, T, V)
+                kl = distill_loss(logits, teacher_logits, y, s.loss, s.temperature)
             loss = loss + s.kl_weight * kl
         if s.ce_weight:
             ce = torch.nn.functional.cross_entropy(
@@ -115,6 +158,22 @@ class DistillStep:
             )  # fmt: skip
             loss = loss + s.ce_weight * ce
         return loss
+
+    def on_policy_loss(self, x: Tensor, sample_seed: int) -> Tensor:
+        """GKD: the student continues each window's prompt; the KL on its sampled tokens."""
+        s = self.section
+        T = x.size(1)
+        n = s.gen_tokens or T // 2
+        prompt = x[:, : T - n]
+        seq = gkd.sample_continuation(
+            self.sampler, prompt, n, s.gen_temperature, self.teacher.cfg.vocab_size, sample_seed
+        )
+        self.last_sequence = seq
+        targets = gkd.generated_targets(seq, T - n)
+        logits = self.student(seq, None)
+        with torch.no_grad():
+            teacher_logits = self.teacher(seq, None)
+        return s.kl_weight * distill_loss(logits, teacher_logits, targets, s.loss, s.temperature)
 
 
 # ---- setting a run up ---------------------------------------------------------------------------
@@ -169,7 +228,24 @@ class TeacherShards(TokenShards):
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
-        self.weights: dict[str, str] = {}
+        self.weights: dict[str, Any] = {}
+        self.topk: distill_topk.TopkShards | None = None  # set: train batches carry the top-k
+
+    def loader(
+        self,
+        split: str,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        cursor: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Any:
+        """The shards' loader; with top-k shards, the train batches carry their windows' top-k."""
+        inner = super().loader(split, seq_len, batch_size, seed, cursor, rank, world_size)
+        if split != "train" or self.topk is None:
+            return inner
+        return distill_topk.TopkLoader(inner, self.topk)
 
     def fingerprint(self) -> dict[str, Any]:
         """Tokenizer and shard checksums, and the sha256 of the teacher's (student's) weights."""
@@ -179,6 +255,9 @@ class TeacherShards(TokenShards):
 def prepare(cfg: DistillConfig) -> tuple[DistillConfig, TeacherShards, Transformer, Any]:
     """(the resolved config, its data, the teacher in eval mode, the student hook or None)."""
     s = cfg.distill
+    if s.on_policy and not s.gen_tokens < cfg.data.seq_len:
+        raise KilnError(f"distill.gen_tokens ({s.gen_tokens}) must be < data.seq_len "
+                        f"({cfg.data.seq_len}): the window keeps a prompt")  # fmt: skip
     data = TeacherShards(cfg.data.dataset)
     teacher = load_model(s.teacher, device="cpu", dtype="fp32")
     check_same_tokenizer(teacher, s.teacher, data)
@@ -203,12 +282,60 @@ def prepare(cfg: DistillConfig) -> tuple[DistillConfig, TeacherShards, Transform
                 fresh.load_state_dict(state)
             state.clear()
 
+    if s.topk:
+        folder = topk_folder(cfg)
+        want = topk_manifest(cfg, data, section.teacher_sha256)
+        distill_topk.ensure(
+            folder, want, False,
+            lambda: distill_topk.precompute(
+                teacher.model, data.dataset.split("train"), folder, want, str(t_weights)
+            ),
+        )  # fmt: skip
+        data.topk = distill_topk.TopkShards(folder)
+        section = dataclasses.replace(section, topk_dir=str(folder))
     resolved = dataclasses.replace(cfg, distill=section, model=model)
     data.weights = {"teacher_sha256": section.teacher_sha256}
+    if s.topk:
+        data.weights["teacher_topk"] = s.topk
     if section.student_sha256:
         data.weights["student_sha256"] = section.student_sha256
     teacher.model.requires_grad_(False)
     return resolved, data, teacher.model, prepare_model
+
+
+def topk_folder(cfg: DistillConfig, k: int | None = None) -> Path:
+    """Where the run's top-k shards live (distill.topk_dir, or beside the token shards)."""
+    s = cfg.distill
+    if s.topk_dir:
+        return Path(s.topk_dir)
+    return distill_topk.default_dir(cfg.data.dataset, k or s.topk, cfg.data.seq_len)
+
+
+def topk_manifest(cfg: DistillConfig, data: TokenShards, teacher_sha256: str, k: int = 0) -> Any:
+    """What the run's top-k shards must have been made from."""
+    return distill_topk.expected_manifest(
+        k or cfg.distill.topk, cfg.data.seq_len, teacher_sha256, data.fingerprint()
+    )
+
+
+def precompute_topk(cfg: DistillConfig, k: int, force: bool) -> dict[str, Any]:
+    """`kiln distill CONFIG --precompute-topk K`: write (or check) the shards, train nothing."""
+    if k < 1:
+        raise KilnError(f"--precompute-topk must be >= 1, got {k}")
+    s = cfg.distill
+    data = TokenShards(cfg.data.dataset)
+    teacher = load_model(s.teacher, device="cpu", dtype="fp32")
+    check_same_tokenizer(teacher, s.teacher, data)
+    t_weights = weights_file(s.teacher)
+    folder = topk_folder(cfg, k)
+    want = topk_manifest(cfg, data, sha256_file(t_weights), k)
+    teacher.model.requires_grad_(False)
+    return distill_topk.ensure(
+        folder, want, force,
+        lambda: distill_topk.precompute(
+            teacher.model, data.dataset.split("train"), folder, want, str(t_weights)
+        ),
+    )  # fmt: skip
 
 
 def student_fields(student: dict[str, Any], given: dict[str, Any], where: str) -> dict[str, Any]:
@@ -234,13 +361,20 @@ def build_trainer(
     if trainer.plan.pipelined:
         raise KilnError("distillation does not support parallel.pp > 1 (the teacher is not staged)")
     teacher.to(trainer.device)
-    trainer.train_model = DistillStep(trainer.train_model, teacher, resolved.distill)
     s = resolved.distill
+    micro = trainer.step * trainer.accum  # where a resumed run's on-policy draws go on from
+    trainer.train_model = DistillStep(
+        trainer.train_model, teacher, s, resolved.train.seed, micro, trainer.model
+    )
     n_student = sum(p.numel() for p in trainer.model.parameters())
     n_teacher = sum(p.numel() for p in teacher.parameters())
     mix = f"{s.kl_weight:g}·{s.loss} (τ={s.temperature:g})"
     if s.ce_weight:
         mix += f" + {s.ce_weight:g}·CE"
+    if s.topk:
+        mix += f", teacher top-{s.topk} from {s.topk_dir} (renormalised)"
+    if s.on_policy:
+        mix += f", on-policy fraction {s.on_policy:g} (GKD)"
     trainer.say(f"kiln distill: teacher {s.teacher} ({n_teacher:,} parameters), student "
                 f"{n_student:,} parameters{' from ' + s.student if s.student else ''}; "
                 f"loss {mix}")  # fmt: skip

@@ -113,6 +113,10 @@ class TrainSection:
     # parallelism), "mesh" (the [parallel] mesh even when it is 1-D: sharded checkpoints),
     # "none" (one process only). Ignored with one process unless "mesh".
     parallel: Literal["auto", "none", "ddp", "fsdp", "mesh"] = "auto"
+    # fp8 training matmuls for the linear layers (not the head; kiln/quant/fp8_train.py): "tensor"
+    # (dynamic per-tensor scales), "tensor_delayed" (amax history), "block" (1×128 / 128×128
+    # DeepSeek-V3 tiles). torch._scaled_mm on CUDA capability 8.9+, exact emulation elsewhere.
+    fp8: Literal["off", "tensor", "tensor_delayed", "block"] = "off"
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.time_budget is None:
@@ -126,6 +130,11 @@ class TrainSection:
         _check(
             self.parallel in modes,
             f"train.parallel must be one of {', '.join(modes)}; got {self.parallel!r}",
+        )
+        fp8_modes = ("off", "tensor", "tensor_delayed", "block")
+        _check(
+            self.fp8 in fp8_modes,
+            f"train.fp8 must be one of {', '.join(fp8_modes)}; got {self.fp8!r}",
         )
 
     @property

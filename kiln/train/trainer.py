@@ -167,6 +167,7 @@ class Trainer:
         apply_mup_init(model)  # µP's init when model.mup_base_width is set (else no-op)
         if prepare_model is not None:
             prepare_model(model)
+        self.fp8 = self._fp8(model)
         # torchtitan's order: parallelize (FSDP2 shards the parameters in place), then build the
         # optimizer over the parameters as they now are, then load a checkpoint into both.
         # self.model: this rank's part (a pipeline stage's modules); train_model: what runs.
@@ -179,6 +180,20 @@ class Trainer:
             self.accum = accumulation_steps(
                 cfg.batch.global_tokens, self.data_ranks, cfg.batch.micro_batch, cfg.data.seq_len
             )
+
+    def _fp8(self, model: Transformer) -> dict[str, Any]:
+        """train.fp8: swap the linear layers for fp8 ones before wrapping; what was chosen."""
+        mode = self.cfg.train.fp8
+        if mode == "off":
+            return {"mode": "off"}
+        if self.dist.world_size > 1 and self.cfg.parallel.multi_dim:
+            raise KilnError("train.fp8 is not supported with parallel.tp > 1, pp > 1 or HSDP")
+        from kiln.quant.fp8_train import enable_fp8_training
+
+        info = enable_fp8_training(model, mode, self.device)
+        self.say(f"kiln train: fp8 {mode} ({info['recipe']}) on {info['layers']} linear layers, "
+                 f"{info['backend']}: {info['why']}")  # fmt: skip
+        return info
 
     def _resume(self, point: ResumePoint | None) -> None:
         """Seed this rank, then take back the checkpoint's weights, counters and RNG, if any."""
@@ -301,6 +316,8 @@ class Trainer:
     def _run_info(self) -> dict[str, Any]:
         """What this call of `run` trains with, for the first metrics record and the log."""
         info: dict[str, Any] = {"precision": self.precision.to_dict()}
+        if self.fp8["mode"] != "off":
+            info["fp8"] = self.fp8
         if self.budget is not None:
             info["time_budget_s"] = self.budget.seconds
             line = intro_line(self.budget, self.cfg.train.max_steps, self.train_seconds)

@@ -46,6 +46,16 @@ def test_the_per_tensor_fast_path_equals_the_exact_codec(fmt: Minifloat) -> None
         assert torch.equal(qdq(x, fmt, "tensor", amax), want)
 
 
+@pytest.mark.parametrize("scaling", ["1x128", "128x128"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_the_block_fast_path_equals_the_exact_codec(fmt: Minifloat, scaling: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(130, 200, generator=gen) * torch.logspace(-4, 3, 200)  # partial blocks
+    x[5, :128] = 0.0  # an all-zero block
+    want = formats.quantize_fp8(x, fmt.name, scaling).decode()
+    assert torch.equal(qdq(x, fmt, scaling), want)
+
+
 def test_blockwise_rounds_activations_per_1x128_and_weights_per_tile() -> None:
     layer = Fp8TrainLinear(nn.Linear(256, 16), "blockwise")
     x = torch.randn(4, 256) * torch.logspace(-3, 1, 4)[:, None]  # rows of very different scales
