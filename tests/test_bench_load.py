@@ -147,6 +147,7 @@ SCRIPTS = {
     "data_offsets": [],
     "data_scale": ["--tmp", "T"],
     "distill": ["T/o"],
+    "image": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
     "invariance": ["--out", "T/i.json"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],
