@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
-from kiln.tokenizer import Tokenizer
+from kiln.tokenizer import Tokenizer, special
 
-EOT = "<|endoftext|>"  # the one special token: caption text spelling it is refused
+EOT = special.EOT  # the one special token: caption text spelling it is refused
 
 
 def train_caption_tokenizer(captions: Sequence[str], vocab_size: int, out: Path) -> Tokenizer:
