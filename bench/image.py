@@ -5,7 +5,7 @@
 
 One run, side by side:
 1. `kiln image data` scenes (8000 train, 500 held-out compositions).
-2. The checker (kiln/image/checker.py), trained on renders only for --prep-minutes; its
+2. The checker (kiln/image/checker.py), trained on renders only for --checker-steps; its
    per-attribute accuracy on the held-out renders comes first: the scores mean what it means.
 3. kiln: the VQ-VAE for --prep-minutes, then the DiT on its latents for --minutes.
 4. The anchor: diffusers' UNet2DModel with DDPMScheduler, trained by the loop of diffusers'
@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import add_noisy_flag, begin
 
 FULL = {"train": 8000, "val": 200, "heldout": 500, "eval": 100, "minutes": 2.0, "prep": 1.0,
-        "steps": 20}  # fmt: skip
-TINY = {"train": 48, "val": 8, "heldout": 16, "eval": 4, "minutes": 0.05, "prep": 0.03, "steps": 3}
+        "steps": 20, "checker_steps": 1000}  # fmt: skip
+TINY = {"train": 48, "val": 8, "heldout": 16, "eval": 4, "minutes": 0.05, "prep": 0.03, "steps": 3,
+        "checker_steps": 3}  # fmt: skip
 
 
 class PeakRSS:
@@ -96,8 +97,8 @@ def prepare(work: Path, sizes: dict[str, Any], size: int) -> Path:
     return scenes
 
 
-def train_checker(work: Path, scenes: Path, size: int, seconds: float, tiny: bool) -> Any:
-    """The checker for `seconds`; the run and its time."""
+def train_checker(work: Path, scenes: Path, size: int, steps: int, tiny: bool) -> Any:
+    """The checker for `steps` steps (a yardstick, not a contestant: steps, not minutes)."""
     from kiln.train.checker import CheckerRun, CheckerTrainConfig
 
     sets = [f"data.dataset={scenes}", f"run_dir={work / 'checker'}", "train.max_steps=100000",
@@ -105,8 +106,12 @@ def train_checker(work: Path, scenes: Path, size: int, seconds: float, tiny: boo
             "train.log_every=50", "train.eval_every=100000", "schedule.warmup_steps=20"]  # fmt: skip
     if tiny:
         sets += ["model.channels=8", "model.features=32", "train.batch_size=8"]
+    sets.append(f"train.max_steps={steps}")
     run = CheckerRun(CheckerTrainConfig.load(None, sets))
-    steps, wall, cpu = _budget_loop(run.train_step, seconds)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while run.step < steps:
+        run.train_step()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     run.save()
     run._lock.release()
     return run, {"steps": steps, "wall_s": wall, "cpu_s": cpu}
@@ -155,7 +160,7 @@ class CaptionEncoder(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab + 2, width)
         self.pos = torch.nn.Embedding(64, width)
         layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, batch_first=True, dropout=0)
-        self.encoder = torch.nn.TransformerEncoder(layer, 2)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.proj = torch.nn.Linear(width, out)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -273,7 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     scenes = prepare(work, sizes, args.size)
     data = ImageDataset.open(scenes)
-    checker_run, checker_time = train_checker(work, scenes, args.size, prep * 60, args.tiny)
+    checker_steps = args.checker_steps or sizes["checker_steps"]
+    checker_run, checker_time = train_checker(work, scenes, args.size, checker_steps, args.tiny)
     checker = checker_run.model.eval()
     held = data.records("heldout")
     renders = to_unit(torch.from_numpy(np.array(data.images("heldout"))))
@@ -345,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=32, choices=(32, 64))
     parser.add_argument("--minutes", type=float, help="kiln DiT training minutes (full: 2)")
     parser.add_argument("--steps", type=int, help="sampling steps for both (full: 20)")
-    parser.add_argument("--prep-minutes", type=float, help="VQ-VAE and checker minutes each (1)")
+    parser.add_argument("--prep-minutes", type=float, help="kiln's VQ-VAE minutes (full: 1)")
+    parser.add_argument("--checker-steps", type=int, help="checker training steps (full: 1000)")
     parser.add_argument("--work", default="bench_image", help="folder for data and runs")
     parser.add_argument("--grid", help="where to write the grid PNG (default WORK/image_grid.png)")
     parser.add_argument("--out", help="also write the JSON record here")
