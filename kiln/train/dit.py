@@ -104,6 +104,7 @@ class DiTRun(ImageRun):
     def __init__(self, cfg: DiTTrainConfig, resume: bool = False, quiet: bool = False) -> None:
         self.data = ImageDataset.open(cfg.data.dataset)
         vq_cfg, vq_weights, self.vq_path = load_vqvae(cfg.vqvae)
+        self.vq_weights_file = self.vq_path / "model.safetensors"
         if self.data.size != vq_cfg.image_size:
             raise KilnError(
                 f"the VQ-VAE of {cfg.vqvae} draws {vq_cfg.image_size}×{vq_cfg.image_size}, but "
@@ -163,8 +164,10 @@ class DiTRun(ImageRun):
         return {**self.cfg.to_dict(), "vq_model": cfgio.to_dict(self.vq_cfg)}
 
     def fingerprint(self) -> dict[str, Any]:
-        """The image dataset's identity."""
-        return self.data.fingerprint()
+        """The image dataset's identity and the VQ-VAE weights' (the latents come from both)."""
+        from kiln.io import sha256_file
+
+        return {**self.data.fingerprint(), "vqvae_sha256": sha256_file(self.vq_weights_file)}
 
     def loss(self, z0: torch.Tensor, ids: torch.Tensor, generator=None) -> torch.Tensor:
         """The objective's mean squared error on latents z0 (B, C, h, w) with captions ids."""

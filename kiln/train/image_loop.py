@@ -79,7 +79,7 @@ class ImageRun:
         saved = {k: v for k, v in state["config"].items() if k in self.fixed_sections}
         changed = fmt.config_differences(saved, fixed)
         if state.get("dataset") != self.fingerprint():
-            changed.append("the dataset's contents")
+            changed.append("the training data (the dataset's contents, or the VQ-VAE's weights)")
         if changed:
             raise KilnError(
                 f"cannot resume from {path}: the model or data changed ({'; '.join(changed)})"
