@@ -137,7 +137,7 @@ def train_kiln(
         vq._lock.release()
         sets = [f"data.dataset={scenes}", f"vqvae={work / 'vqvae'}", f"run_dir={work / 'dit'}",
                 "train.max_steps=100000", "train.log_every=50", "schedule.warmup_steps=50",
-                "optim.lr=1e-3", "train.batch_size=64"]  # fmt: skip
+                "optim.lr=1e-3", "train.batch_size=32"]  # fmt: skip
         if tiny:
             sets += ["model.width=32", "model.depth=1", "model.heads=2", "model.text_layers=1",
                      "train.batch_size=8"]  # fmt: skip
@@ -200,7 +200,7 @@ def train_anchor(work: Path, scenes: Path, seconds: float, tiny: bool, dit: Any)
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     params = [*unet.parameters(), *text.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3 if not tiny else 2e-3)
-    batch = 8 if tiny else 64
+    batch = 8 if tiny else 32
     rng = np.random.default_rng(0)
 
     def step() -> None:
