@@ -23,10 +23,9 @@ from kiln.image.checker import Checker, CheckerConfig, checker_loss, predict, sc
 from kiln.image.dataset import ImageDataset
 from kiln.image.vqvae import to_unit
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import ImageRun
+from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
-from kiln.train.vqvae import CheckpointSection, ImageDataSection
 
 
 @dataclass
