@@ -353,13 +353,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="sampling steps for both (full: 20)")
     parser.add_argument("--prep-minutes", type=float, help="kiln's VQ-VAE minutes (full: 1)")
     parser.add_argument("--checker-steps", type=int, help="checker training steps (full: 1000)")
-    parser.add_argument("--work", default="bench_image", help="folder for data and runs")
+    parser.add_argument("--work", help="folder for data and runs (default: a new temporary one)")
     parser.add_argument("--grid", help="where to write the grid PNG (default WORK/image_grid.png)")
     parser.add_argument("--out", help="also write the JSON record here")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     add_noisy_flag(parser)
     args = parser.parse_args(argv)
     measured = begin("bench/image.py", args.noisy)
+    if args.work is None:
+        import tempfile
+
+        args.work = tempfile.mkdtemp(prefix="kiln-bench-image-")
     work = Path(args.work)
     if work.exists() and any((work / n).exists() for n in ("checker", "vqvae", "dit")):
         sys.exit(f"bench/image.py: {work} holds runs of an earlier bench; give another --work")
