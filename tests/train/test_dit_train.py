@@ -154,3 +154,12 @@ def test_caption_dropout_empties_that_share_of_captions(trained, tmp_path: Path)
     empty = (dropped[:, 1:] == pad).all(1)
     assert 0.27 < empty.float().mean() < 0.33
     assert torch.equal(dropped[~empty], ids[~empty]) and (dropped[:, 0] == ids[:, 0]).all()
+
+
+def test_the_checker_can_learn_from_more_splits(trained, tmp_path: Path) -> None:
+    scenes = trained[0]
+    sets = [f"data.dataset={scenes}", f"run_dir={tmp_path / 'c'}", *CHECKER,
+            'train.extra_splits=["heldout"]', "data.eval_splits=[]"]  # fmt: skip
+    run = CheckerRun(CheckerTrainConfig.load(None, sets))
+    assert run.n_train == 40 + 8 and len(run.images) == 48 and len(run.truth["present"]) == 48
+    assert run.evaluate() == {}
