@@ -269,7 +269,7 @@ VQVAE_EXAMPLES = """examples:
 
 
 def _register_image(sub: Any) -> None:
-    """Add `kiln image train-vqvae` to the `kiln image` group (kiln/image/cli.py made it)."""
+    """Add `kiln image train-vqvae`, `train-dit`, `train-checker` to the `kiln image` group."""
     from kiln.commands import add_subcommand, command_group
 
     if "image" not in sub.choices:  # a parser of kiln.train's commands alone (as in its tests)
@@ -285,6 +285,7 @@ def _register_image(sub: Any) -> None:
     )
     add_run_arguments(p, "VQ-VAE run config (see configs/vqvae_32.toml)", "model.codebook_size=512")
     p.set_defaults(handler=run_train_vqvae)
+    _register_image_models(command_group(sub, "image"))
 
 
 def run_train_vqvae(args: argparse.Namespace) -> int:
@@ -300,4 +301,73 @@ def run_train_vqvae(args: argparse.Namespace) -> int:
     picture = run.reconstruction_grid(Path(cfg.run_dir) / "report" / "reconstructions.png", split)
     shown = ", ".join(f"{k} {v}" for k, v in final.items() if k != "step")
     print(f"step {final['step']}: {shown or 'no eval split'}; {picture}")
+    return 0
+
+
+DIT_EXAMPLES = """examples:
+  kiln image train-dit configs/dit_32.toml              # needs the VQ-VAE run it names
+  kiln image train-dit configs/dit_32.toml --set diffusion.objective=flow --set run_dir=runs/ditf
+  kiln image train-dit configs/dit_32.toml --resume     # continue from its latest"""
+
+CHECKER_EXAMPLES = """examples:
+  kiln image train-checker configs/checker_32.toml
+  kiln image train-checker configs/checker_32.toml --set train.max_steps=500 --resume"""
+
+
+def _register_image_models(commands: Any) -> None:
+    """Add `kiln image train-dit` and `kiln image train-checker`."""
+    from kiln.commands import add_subcommand
+
+    p = add_subcommand(
+        commands, "train-dit", "train the diffusion transformer over a VQ-VAE's latents",
+        DIT_EXAMPLES,
+    )  # fmt: skip
+    p.description = (
+        "Train a text-conditioned diffusion transformer on the latents of a trained VQ-VAE\n"
+        "(config key `vqvae`). The run folder gets config.toml, tokenizer.json (the caption\n"
+        "BPE), metrics.jsonl, checkpoints/ (VQ-VAE included), eval.json, report/samples.png;\n"
+        "draw with `kiln image sample RUN --prompt ...`."
+    )
+    add_run_arguments(p, "DiT run config (see configs/dit_32.toml)", "diffusion.objective=flow")
+    p.set_defaults(handler=run_train_dit)
+    p = add_subcommand(
+        commands, "train-checker", "train the checker CNN on rendered scenes", CHECKER_EXAMPLES
+    )
+    p.description = (
+        "Train the independent checker (objects, colours, box centres) on rendered scenes and\n"
+        "their ground truth only; prints its per-attribute accuracy on the eval splits."
+    )
+    add_run_arguments(p, "checker run config (see configs/checker_32.toml)", "train.max_steps=500")
+    p.set_defaults(handler=run_train_checker)
+
+
+def run_train_dit(args: argparse.Namespace) -> int:
+    """Train (or resume) a DiT run, draw held-out captions, print its final evaluation."""
+    from kiln.image.sampler import load_image_model, save_grid
+    from kiln.train.dit import DiTRun, DiTTrainConfig
+
+    cfg = DiTTrainConfig.load(args.config, args.set)
+    run = DiTRun(cfg, resume=args.resume)
+    for note in run.notes:
+        print(note)
+    final = run.run(progress=not args.no_progress)
+    split = run.eval_split or cfg.data.train_split
+    captions = [r["caption"] for r in run.data.records(split)[:8]]
+    images = load_image_model(cfg.run_dir).sample(captions, seed=0)
+    picture = save_grid(images, Path(cfg.run_dir) / "report" / "samples.png")
+    shown = ", ".join(f"{k} {v}" for k, v in final.items() if k != "step")
+    print(f"step {final['step']}: {shown or 'no eval split'}; {picture}")
+    return 0
+
+
+def run_train_checker(args: argparse.Namespace) -> int:
+    """Train (or resume) a checker run and print its accuracy on the eval splits."""
+    from kiln.train.checker import CheckerRun, CheckerTrainConfig
+
+    run = CheckerRun(CheckerTrainConfig.load(args.config, args.set), resume=args.resume)
+    for note in run.notes:
+        print(note)
+    final = run.run(progress=not args.no_progress)
+    shown = ", ".join(f"{k} {v}" for k, v in final.items() if k != "step")
+    print(f"step {final['step']}: {shown or 'no eval split'}")
     return 0

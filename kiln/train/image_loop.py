@@ -1,0 +1,215 @@
+"""The loop the image models train on: the VQ-VAE's, the DiT's and the checker's runs.
+
+Each subclasses ImageRun: the run-folder lock, the refusal to start over a run without
+--resume, leftovers tidied, atomic checkpoints with `latest` holding weights, optimizer, cursor
+and RNG states, metrics.jsonl, Ctrl-C/SIGTERM saving between steps, and batches that are a pure function of (seed, epoch, position), so a resumed run takes the same
+steps bit for bit. A subclass builds `self.model` and `self.optimizer`, and gives `train_step`,
+`evaluate` and `postfix`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln import checkpoint_format as fmt
+from kiln import config as cfgio
+from kiln.config import require
+from kiln.errors import KilnError
+from kiln.folders import lock_folder
+from kiln.io import atomic_write, write_json_atomic
+from kiln.train import checkpoint as ckpt
+from kiln.train.metrics import MetricsLog
+
+
+@dataclass
+class ImageDataSection:
+    """Which image dataset, which split trains, which are evaluated."""
+
+    dataset: str = ""
+    train_split: str = "train"
+    eval_splits: tuple[str, ...] = ("val", "heldout")  # those the dataset lacks are skipped
+
+    def __post_init__(self) -> None:
+        require(bool(self.dataset), "data.dataset: give the image dataset directory")
+
+
+@dataclass
+class CheckpointSection:
+    """How often to save and how many to keep."""
+
+    every: int = 500
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, f"checkpoint.every must be >= 1, got {self.every}")
+        require(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+def batch_indices(n: int, batch: int, seed: int, epoch: int, position: int) -> np.ndarray:
+    """The batch at `position` of `epoch`: a slice of that epoch's seeded permutation."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.sort(order[position : position + batch])
+
+
+class ImageRun:
+    """One run of an image model in `cfg.run_dir`: the lifecycle; subclasses give the model."""
+
+    command = "kiln image"
+    fixed_sections: tuple[str, ...] = ("model", "data")  # a resume may not change these
+
+    def __init__(self, cfg: Any, n_train: int, resume: bool) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.n_train = n_train
+        if n_train < cfg.train.batch_size:
+            raise KilnError(
+                f"train.batch_size = {cfg.train.batch_size} is more than the {n_train} "
+                f"pictures of split {cfg.data.train_split!r}"
+            )
+        self.step, self.epoch, self.position, self.images_seen = 0, 0, 0, 0
+        self._lock = lock_folder(self.run_dir, self.command, "run folder")
+        self.saved = fmt.resume_checkpoint(self.checkpoints)
+        if self.saved is not None and not resume:
+            raise KilnError(
+                f"{self.checkpoints} already holds checkpoints; pass --resume to continue that "
+                "run, or set run_dir to start a new one"
+            )
+        if resume and self.saved is None:
+            raise KilnError(f"nothing to resume: {self.checkpoints} has no checkpoint")
+        self.notes = ckpt.tidy(self.checkpoints, cfg.checkpoint.keep_last if self.saved else None)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+
+    def state_config(self) -> dict[str, Any]:
+        """What state.json's `config` holds (the resolved config; subclasses may add to it)."""
+        return self.cfg.to_dict()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The training data's identity, checked on resume."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Resume from the saved checkpoint if there is one; write config.toml."""
+        if self.saved is not None:
+            self._resume(self.saved)
+        with atomic_write(self.run_dir / "config.toml") as handle:
+            handle.write(cfgio.to_toml(self.cfg.to_dict(), f"{self.command}: resolved config"))
+
+    def _resume(self, path: Path) -> None:
+        state = fmt.read_state(path)
+        now = self.state_config()
+        fixed = {k: v for k, v in now.items() if k in self.fixed_sections}
+        saved = {k: v for k, v in state["config"].items() if k in self.fixed_sections}
+        changed = fmt.config_differences(saved, fixed)
+        if state.get("dataset") != self.fingerprint():
+            changed.append("the training data (the dataset's contents, or the VQ-VAE's weights)")
+        if changed:
+            raise KilnError(
+                f"cannot resume from {path}: the model or data changed ({'; '.join(changed)})"
+            )
+        ckpt.load_weights(path, self.model, self.optimizer, self.device)
+        self.step = int(state["step"])
+        self.images_seen = int(state["tokens"])
+        self.epoch, self.position = int(state["cursor"]["epoch"]), int(state["cursor"]["position"])
+        ckpt.restore_rng(state["rng"]["0"])
+        self.metrics.truncate_after(self.step)
+        self.notes.append(f"resumed from {path} (step {self.step})")
+
+    def next_indices(self) -> np.ndarray:
+        """The next batch's training-set indices (an epoch's remainder is dropped)."""
+        n, b = self.n_train, self.cfg.train.batch_size
+        if self.position + b > n:
+            self.epoch, self.position = self.epoch + 1, 0
+        idx = batch_indices(n, b, self.cfg.train.seed, self.epoch, self.position)
+        self.position += b
+        self.images_seen += b
+        return idx
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer update; returns the step's scalars."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out measurements."""
+        raise NotImplementedError
+
+    def postfix(self, scalars: dict[str, float]) -> dict[str, str]:
+        """What the progress bar shows beside the step count."""
+        return {"loss": f"{scalars['loss']:.4f}"}
+
+    def clip_and_step(self, loss: torch.Tensor) -> float:
+        """Backward, clip (train.grad_clip; 0: off), optimizer step; returns the grad norm."""
+        self.optimizer.zero_grad()
+        loss.backward()
+        clip = self.cfg.train.grad_clip
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else 1e30)
+        self.optimizer.step()
+        if not torch.isfinite(loss):
+            raise KilnError(f"step {self.step + 1}: the loss is not finite; lower optim.lr")
+        return float(norm)
+
+    def save(self) -> Path:
+        """Checkpoint the current step (weights, optimizer, cursor, RNG)."""
+        state = ckpt.TrainState(
+            step=self.step, tokens=self.images_seen,  # images, for these models
+            cursor={"epoch": self.epoch, "position": self.position},
+            config=self.state_config(), dataset=self.fingerprint(),
+        )  # fmt: skip
+        return ckpt.save_checkpoint(
+            self.checkpoints, self.model, self.optimizer, state,
+            {"name": self.cfg.schedule.name}, self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    def run(self, progress: bool = True, time_budget: float | None = None) -> dict[str, Any]:
+        """Train to max_steps (or `time_budget` seconds), saving, logging, evaluating."""
+        cfg = self.cfg.train
+        from tqdm import tqdm
+
+        interrupted: list[int] = []
+        # Ctrl-C and SIGTERM end the loop between steps (never inside an update), then it saves.
+        previous = {
+            sig: signal.signal(sig, lambda s, f: interrupted.append(s))
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not progress, unit="step")
+        start, start_step = time.perf_counter(), self.step
+        try:
+            while self.step < cfg.max_steps and not interrupted:
+                scalars = self.train_step()
+                bar.update()
+                elapsed = time.perf_counter() - start
+                out_of_time = time_budget is not None and elapsed >= time_budget
+                last = self.step == cfg.max_steps or out_of_time
+                if self.step % cfg.log_every == 0 or last:
+                    rate = (self.step - start_step) * cfg.batch_size / elapsed
+                    record = {"step": self.step, "images": self.images_seen, **scalars,
+                              "images_per_s": rate}  # fmt: skip
+                    if self.step % cfg.eval_every == 0 or last:
+                        record.update(self.evaluate())
+                    self.metrics.write(record)
+                    bar.set_postfix(self.postfix(scalars))
+                if out_of_time:
+                    break
+                if self.step % self.cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.save()
+        if interrupted:
+            raise KilnError(
+                f"stopped at step {self.step}; saved {self.checkpoints} (continue with --resume)"
+            )
+        final = {"step": self.step, **self.evaluate()}
+        write_json_atomic(self.run_dir / "eval.json", final)
+        self._lock.release()
+        return final

@@ -1,0 +1,85 @@
+"""The checker's targets, its scoring of pictures against captions, and the Fréchet distance."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.image.checker import (
+    COLOUR_NAMES,
+    KIND_NAMES,
+    Checker,
+    CheckerConfig,
+    frechet_distance,
+    score,
+    targets,
+)  # fmt: skip
+from kiln.image.render import render
+from kiln.image.scenes import sample_scene
+
+
+def _records(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        rng = random.Random(f"t:{i}")
+        scene = sample_scene(rng, unseen=False)
+        out.append({"caption": scene.caption(), **render(scene, 32, rng)[1]})
+    return out
+
+
+def _perfect(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Outputs that say exactly the ground truth (logits ±10, one-hot colours, true centres)."""
+    truth = targets(records)
+    colour = torch.full((len(records), len(KIND_NAMES), len(COLOUR_NAMES)), -10.0)
+    known = truth["colour"] >= 0
+    colour[known, truth["colour"][known]] = 10.0
+    return {"present": truth["present"] * 20 - 10, "colour": colour, "centre": truth["centre"]}
+
+
+def test_ground_truth_scores_perfectly_and_mistakes_count_per_attribute() -> None:
+    records = _records(200)
+    out = _perfect(records)
+    assert score(out, records) == {"object": 1.0, "colour": 1.0, "relation": 1.0, "all": 1.0}
+    mirrored = {**out, "centre": 1 - out["centre"]}  # left <-> right and above <-> under
+    bad = score(mirrored, records)
+    assert bad["relation"] == 0.0 and bad["object"] == 1.0 and bad["colour"] == 1.0
+    wrong_colour = {**out, "colour": out["colour"].roll(1, dims=-1)}
+    assert score(wrong_colour, records)["colour"] == 0.0
+    nothing = {**out, "present": -out["present"]}
+    assert score(nothing, records)["object"] == 0.0
+
+
+def test_targets_hold_kinds_colours_and_centres() -> None:
+    records = _records(30)
+    truth = targets(records)
+    for i, r in enumerate(records):
+        kinds = {o["kind"] for o in r["objects"]}
+        assert {KIND_NAMES[k] for k in truth["present"][i].nonzero().flatten().tolist()} == kinds
+        assert truth["centre"][i].max() <= 1 and truth["centre"][i].min() >= 0
+
+
+def test_frechet_distance_is_zero_on_itself_and_the_mean_shift_squared() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4000, 6, generator=g)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-8)
+    shift = torch.tensor([1.0, 2.0, 0, 0, 0, 0])
+    assert frechet_distance(a, a + shift) == pytest.approx(5.0, rel=1e-6)
+    # Against scipy's sqrtm formula on anisotropic Gaussians.
+    scipy_linalg = pytest.importorskip("scipy.linalg")
+    b = torch.randn(4000, 6, generator=g) @ torch.randn(6, 6, generator=g)
+    x, y = a.double().numpy(), b.double().numpy()
+    cx, cy = np.cov(x, rowvar=False), np.cov(y, rowvar=False)
+    root = scipy_linalg.sqrtm(cx @ cy).real
+    want = ((x.mean(0) - y.mean(0)) ** 2).sum() + np.trace(cx + cy - 2 * root)
+    assert frechet_distance(a, b) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_the_checker_reads_either_size(size: int) -> None:
+    checker = Checker(CheckerConfig(image_size=size, channels=8, features=16))
+    out = checker(torch.zeros(2, 3, size, size))
+    assert out["present"].shape == (2, 29) and out["colour"].shape == (2, 29, 11)
+    assert out["centre"].shape == (2, 29, 2) and out["features"].shape == (2, 16)
