@@ -8,7 +8,7 @@ against SDPA. One JSON line per figure; under 10 minutes on one H100/H200.
 Each figure is an `Entry` in `ENTRIES`: a name, what it measures, a `check` for --dry-run (the
 configs build, the model's shapes, the kernels it selects, a tiny CPU run of the same code) and a
 `run` that measures on the device and returns the figure's records. Other work adds entries
-there (a vLLM race, an H200 speedrun recipe). The MFU runs are bench/mfu.py's: kiln's Trainer on
+there (the serving race below; an H200 speedrun recipe). The MFU runs are bench/mfu.py's: kiln's Trainer on
 bench/train.py's TinyStories shards, tokens/s and MFU from the trainer's own metrics.jsonl (MFU
 against the device's bf16 dense peak, for fp8 too: it says how much faster the same model
 trains, not how full the fp8 units are). The attention figure is bench/attention.py's
@@ -198,6 +198,117 @@ def run_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+# ---- serving: kiln's engine against HF generate and vLLM ---------------------------------------
+
+
+SERVE_REQUESTS, SERVE_NEW_TOKENS = 32, 64
+
+
+def serve_systems(device: str, cfg: Any, dtype: Any) -> dict[str, Callable[[Any], float]]:
+    """kiln's engine (invariant and fast path), HF generate and, where installed, vLLM: each a
+    function of the workload returning seconds, all on the same weights."""
+    import torch
+
+    from bench.serve import run_kiln
+    from kiln.model import Transformer
+    from kiln.model.hf import save_hf_dir, to_hf
+    from kiln.serve.engine import Engine, EngineConfig
+
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device=device, dtype=dtype).eval()
+    systems: dict[str, Callable[[Any], float]] = {}
+    for name, invariant in (("kiln", True), ("kiln-variant", False)):
+        engine = Engine(model, None, EngineConfig(batch_invariant=invariant, max_num_seqs=64))
+        systems[name] = lambda work, engine=engine: run_kiln(engine, work)
+    hf = to_hf(model).to(device=device, dtype=dtype).eval()
+
+    def run_hf(work: Any) -> float:
+        prompts, outs = work
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+            mask[row, width - len(prompt) :] = 1
+        started = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(outs),
+                        min_new_tokens=max(outs), do_sample=False, pad_token_id=0)  # fmt: skip
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    systems["hf"] = run_hf
+    try:
+        import vllm  # type: ignore[import-not-found]
+    except ImportError:
+        return systems
+    folder = Path(tempfile.mkdtemp(prefix="kiln-vllm-"))
+    save_hf_dir(model.float(), folder)
+    llm = vllm.LLM(model=str(folder), dtype="bfloat16", skip_tokenizer_init=True)
+
+    def run_vllm(work: Any) -> float:
+        prompts, outs = work
+        params = [vllm.SamplingParams(max_tokens=o, min_tokens=o, temperature=0.0,
+                                      ignore_eos=True) for o in outs]  # fmt: skip
+        started = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    systems["vllm"] = run_vllm
+    return systems
+
+
+def check_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """--dry-run: every system runs a tiny model's workload on the CPU, and kiln's engine gives
+    `kiln.model.generate`'s greedy tokens."""
+    import torch
+
+    from bench.serve import workload
+    from kiln.model import ModelConfig, Transformer
+    from kiln.serve.engine import Engine, EngineConfig, SamplingParams
+
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=128)
+    work = workload(4, cfg, quick=True, seed=0)
+    work = (work[0], [8] * len(work[0]))
+    seconds = {name: run(work) for name, run in serve_systems("cpu", cfg, torch.float32).items()}
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    engine = Engine(model, None, EngineConfig(batch_invariant=False))
+    done = engine.generate(work[0], [SamplingParams(max_tokens=8, temperature=0) for _ in work[0]])
+    from kiln.model.generate import generate
+
+    reference = generate(model, work[0], 8, temperature=0.0)
+    assert [list(c[0].token_ids) for c in done] == [list(r) for r in reference], (
+        "engine != generate"
+    )
+    return {
+        "systems": sorted(seconds),
+        "vllm": "vllm" in seconds,
+        "note": "vLLM runs only where it is installed (its wheel is over the device's 64 MiB carry)",
+    }
+
+
+def run_serve(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode tokens/s at 32 requests (16-128-token prompts) x 64 new tokens, GPT-2-124M, bf16."""
+    import torch
+
+    from bench.serve import workload
+    from kiln.model import ModelConfig
+
+    cfg = ModelConfig()
+    work = workload(SERVE_REQUESTS, cfg, quick=False, seed=0)
+    work = (work[0], [SERVE_NEW_TOKENS] * SERVE_REQUESTS)
+    systems = serve_systems("cuda", cfg, torch.bfloat16)
+    tokens = SERVE_REQUESTS * SERVE_NEW_TOKENS
+    rates = {}
+    for name, run in systems.items():
+        run(work)  # warm-up: kernels, allocator, CUDA graphs where a system makes them
+        rates[name] = tokens / statistics.median(run(work) for _ in range(3))
+    return [{"value": rates[name], "unit": "tokens/s", "system": name,
+             "ratio_kiln": rates["kiln-variant"] / rates[name]} for name in rates]  # fmt: skip
+
+
 ENTRIES: list[Entry] = [
     Entry("mfu_bf16", "GPT-2-124M training MFU, bf16 autocast, torch.compile",
           check_mfu("off", True), run_mfu("off", True)),
@@ -209,6 +320,8 @@ ENTRIES: list[Entry] = [
           check_mfu("tensor_delayed", False), run_mfu("tensor_delayed", False)),
     Entry("attention_triton_vs_sdpa", "kiln's Triton flash kernel against SDPA flash, causal bf16",
           check_attention, run_attention),
+    Entry("serve_engine_vs_hf_vllm", "decode tokens/s, 32 requests x 64 tokens, GPT-2-124M bf16: "
+          "kiln's engine vs HF generate (and vLLM where installed)", check_serve, run_serve),
 ]  # fmt: skip
 
 
