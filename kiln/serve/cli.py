@@ -281,7 +281,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 SERVE_DESCRIPTION = """Serve a model over HTTP: OpenAI's API (/v1/models, /v1/completions,
-/v1/chat/completions, streaming), /health, /metrics (Prometheus) and the Storyteller page at /.
+/v1/chat/completions, streaming; /v1/images/generations with --image-model), /health, /metrics
+(Prometheus) and the Storyteller page at /.
 
 MODEL is any folder kiln loads (a kiln demo folder, a run, a checkpoint, an HF model folder).
 The server binds 127.0.0.1 by default; any other --host needs an API key (--api-key or, better,
@@ -295,6 +296,7 @@ SERVE_EXAMPLES = """examples:
   kiln serve runs/demo-20260101-120000 --port 8080 --max-concurrent 16
   kiln serve runs/demo-20260101-120000 --quantize int8
   KILN_API_KEY=s3cret kiln serve exports/demo --host 0.0.0.0
+  kiln serve runs/demo-20260101-120000 --image-model runs/dit32
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
     -d '{"model": "demo-20260101-120000", "prompt": "Once upon a time", "max_tokens": 40}'"""
 
@@ -318,6 +320,11 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         help=f"key clients must send (default: ${API_KEY_ENV}; required off loopback)",
     )  # fmt: skip
     p.add_argument("--model-name", help="the model id clients name (default: MODEL's folder name)")
+    p.add_argument(
+        "--image-model", metavar="IMAGE_RUN", default=None,
+        help="also draw pictures: a `kiln image train-dit` run, served at "
+        "/v1/images/generations and used by the page's Illustrate (id: its folder name)",
+    )  # fmt: skip
     add_tokenizer_option(p)
     add_device_options(p)
     p.add_argument(
@@ -389,6 +396,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kiln.serve.http.server import ServerOptions, create_app, run_server
 
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
+    image_model = _load_image_model(args.image_model, args.device) if args.image_model else None
     loaded = load_model(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype)
     print("\n".join(loaded.precision.lines("kiln serve")), file=sys.stderr)
     quantize.quantize_from_args(loaded.model, args, "kiln serve", loaded.precision.dtype)
@@ -401,8 +409,9 @@ def run_serve(args: argparse.Namespace) -> int:
                            "speculative_max_batch": args.draft_max_batch}  # fmt: skip
     engine = Engine.from_loaded(loaded, EngineConfig(**engine_options), drafter)
     name = args.model_name or Path(args.model).resolve().name
-    options = ServerOptions(name, limits, api_key, tuple(args.cors_origin))
-    app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, options)
+    image_name = Path(args.image_model).resolve().name if image_model is not None else None
+    options = ServerOptions(name, limits, api_key, tuple(args.cors_origin), image_name)
+    app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, options, image_model)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"kiln serve: {loaded.source}", file=sys.stderr)
@@ -411,6 +420,21 @@ def run_serve(args: argparse.Namespace) -> int:
         f"/metrics); API key {'required' if api_key else 'not required (loopback only)'}",
         file=sys.stderr, flush=True,
     )  # fmt: skip
+    if image_model is not None:
+        print(f"kiln serve: image model {image_name!r} ({image_model.size}x{image_model.size}, "
+              f"{image_model.diffusion.sample_steps} steps) at /v1/images/generations",
+              file=sys.stderr, flush=True)  # fmt: skip
     run_server(app, args.host, port, args.grace, sock)
     print("kiln serve: stopped", file=sys.stderr)
     return 0
+
+
+def _load_image_model(run: str, device: str) -> Any:
+    """The --image-model run's text-to-image model on --device (its errors name the flag)."""
+    from kiln.devices import resolve_device
+    from kiln.image.sampler import load_image_model
+
+    try:
+        return load_image_model(run, str(resolve_device(device)))
+    except KilnError as exc:
+        raise KilnError(f"--image-model {run}: {exc}") from None

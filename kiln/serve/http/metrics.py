@@ -16,6 +16,8 @@ PREFIX = "kiln"
 # Bucket bounds in seconds: first tokens take prefill plus queueing, later ones one step each.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# An image request's seconds: a few denoising steps on a CPU, or a queue of them.
+IMAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -73,11 +75,28 @@ class ServerMetrics:
             ACCEPTANCE_BUCKETS,
         )
         self.speculative = False  # the engine has a drafter: its series are shown
+        self.images = False  # an image model is served: its series are shown
+        self.image_requests: dict[str, int] = {}  # finished image requests by outcome
+        self.images_generated = 0
+        self.image_queued: Any = lambda: 0  # the picture queue's length, read at scrape time
+        self.image_seconds = Histogram(
+            f"{PREFIX}_image_request_seconds",
+            "Seconds from an image request's arrival to its end (queue and denoising).",
+            IMAGE_BUCKETS,
+        )
 
     def count_request(self, outcome: str) -> None:
         """Count one finished (or refused) request under `outcome`."""
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def count_image(self, outcome: str, pictures: int = 0, seconds: float | None = None) -> None:
+        """Count one finished (or refused) image request: its outcome, pictures and seconds."""
+        with self._lock:
+            self.image_requests[outcome] = self.image_requests.get(outcome, 0) + 1
+            self.images_generated += pictures
+            if seconds is not None:
+                self.image_seconds.observe(max(seconds, 0.0))
 
     def record(
         self,
@@ -154,7 +173,24 @@ class ServerMetrics:
             out += self.ttft.lines() + self.tpot.lines()
             if self.speculative:
                 out += self.acceptance.lines()
+            if self.images:
+                out += self._image_lines()
         return "\n".join(out) + "\n"
+
+    def _image_lines(self) -> list[str]:
+        """The image endpoint's series (the caller holds the lock)."""
+        by_outcome = [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.image_requests.items())]
+        out = _series(
+            f"{PREFIX}_image_requests_total", "counter", "Image requests by outcome.",
+            by_outcome or [('{outcome="ok"}', 0)],
+        )  # fmt: skip
+        out += _series(f"{PREFIX}_images_generated_total", "counter",
+                       "Pictures drawn for finished image requests.",
+                       [("", self.images_generated)])  # fmt: skip
+        out += _series(f"{PREFIX}_image_requests_queued", "gauge",
+                       "Image requests waiting for the picture thread or being drawn.",
+                       [("", self.image_queued())])  # fmt: skip
+        return out + self.image_seconds.lines()
 
 
 def _series(name: str, kind: str, help_text: str, values: list[tuple[str, Any]]) -> list[str]:

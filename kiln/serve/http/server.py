@@ -1,4 +1,5 @@
-"""`kiln serve`'s HTTP layer: OpenAI's API over the engine, /health, /metrics and the page at /.
+"""`kiln serve`'s HTTP layer: OpenAI's API over the engine (and an image model, when one is
+given: images.py), /health, /metrics and the page at /.
 
 `create_app` wires one loaded engine into a FastAPI app; `run_server` serves it with uvicorn.
 Each request is checked in the order a client would want to hear about problems: the key (401),
@@ -25,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.serve.http.endpoints import chat_completions, completions
+from kiln.serve.http.images import ImageService, image_generations
 from kiln.serve.http.openai_schema import ApiError
 from kiln.serve.http.service import ClientGone, ServerOptions, Service
 
@@ -47,10 +49,19 @@ def page_html() -> str:
     return resources.files("kiln.serve").joinpath("web/index.html").read_text(encoding="utf-8")
 
 
-def create_app(engine: Any, tokenizer: Any, context_length: int, options: ServerOptions) -> FastAPI:
-    """The FastAPI app serving `engine` (started and stopped with the app's lifespan)."""
+def create_app(
+    engine: Any, tokenizer: Any, context_length: int, options: ServerOptions,
+    image_model: Any = None,
+) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving `engine` (started and stopped with the app's lifespan), and
+    `image_model` (a kiln.image.sampler.ImageModel) at /v1/images/generations when given."""
     service = Service(engine, tokenizer, context_length, options)
     page = page_html()
+    images = None
+    if image_model is not None:
+        images = ImageService(image_model, options.image_model_name or "image")
+        service.metrics.images = True
+        service.metrics.image_queued = lambda: images.queued
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,11 +72,14 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
         finally:
             service.state.ready = False
             await asyncio.to_thread(engine.stop, True, 10.0)
+            if images is not None:
+                images.close()
 
     app = FastAPI(
         title="kiln serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.service = service
+    app.state.images = images
     if options.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -76,11 +90,14 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
+        count = service.metrics.count_request
+        if request.url.path.startswith("/v1/images"):
+            count = service.metrics.count_image
         if isinstance(exc, ClientGone):
-            service.metrics.count_request("disconnected")
+            count("disconnected")
             return Response(status_code=exc.status)
         if exc.status >= 400 and exc.status != 401:
-            service.metrics.count_request(f"http_{exc.status}")
+            count(f"http_{exc.status}")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -130,14 +147,21 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
                      "max_tokens": options.limits.max_tokens, "max_n": options.limits.max_n},
         }  # fmt: skip
 
+    def cards() -> list[dict[str, Any]]:
+        """The language model first (the page reads it there), then the image model."""
+        extra = [images.card(service.created, options.limits.max_n)] if images else []
+        return [model_card(), *extra]
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         service.authorize(request)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": cards()}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request) -> dict[str, Any]:
         service.authorize(request)
+        if images is not None and name == images.name:
+            return images.card(service.created, options.limits.max_n)
         service.check_model(name)
         return model_card()
 
@@ -148,6 +172,16 @@ def create_app(engine: Any, tokenizer: Any, context_length: int, options: Server
     @app.post("/v1/chat/completions")
     async def post_chat(request: Request) -> Any:
         return await chat_completions(service, request)
+
+    @app.post("/v1/images/generations")
+    async def post_images(request: Request) -> Any:
+        if images is None:
+            service.authorize(request)
+            raise ApiError(
+                404, "this server has no image model; start it with `kiln serve MODEL "
+                "--image-model IMAGE_RUN`", "model", "model_not_found",
+            )  # fmt: skip
+        return await image_generations(service, images, request)
 
     return app
 

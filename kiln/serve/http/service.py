@@ -35,12 +35,13 @@ class ClientGone(ApiError):
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """Who the server is and whom it serves: its model name, limits, key and CORS origins."""
+    """Who the server is and whom it serves: its model names, limits, key and CORS origins."""
 
     model_name: str
     limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    image_model_name: str | None = None  # the id clients name for the image model, if any
 
 
 @dataclass
@@ -50,7 +51,8 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     inflight: int = 0
-    active: set[Generation] = field(default_factory=set)  # requests now generating
+    # Requests now generating: text Generations and image jobs (each has cancel()).
+    active: set[Any] = field(default_factory=set)
     drain_task: Any = None  # the shutdown drain (kept referenced so it is not collected)
 
 

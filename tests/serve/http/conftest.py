@@ -68,6 +68,7 @@ class RunningServer:
     engine: Any
     server: Any
     service: Any
+    images: Any = None  # the app's ImageService, when an image model is served
 
     @property
     def api(self) -> str:
@@ -75,11 +76,50 @@ class RunningServer:
         return self.url + "/v1"
 
 
+IMAGE_RUN_ENV = "KILN_TEST_IMAGE_RUN"  # a trained DiT run to serve instead (docs screenshots)
+
+
+def build_image_run(root: Path) -> Path:
+    """A `kiln image train-dit` run in seconds: 40 scenes, a 60-step VQ-VAE, a 30-step DiT."""
+    import os
+
+    if os.environ.get(IMAGE_RUN_ENV):
+        return Path(os.environ[IMAGE_RUN_ENV])
+    from kiln.image.dataset import ScenesSpec, build_scenes
+    from kiln.train.dit import DiTRun, DiTTrainConfig
+    from kiln.train.vqvae import VQVAERun, VQVAETrainConfig
+
+    build_scenes(root / "scenes", ScenesSpec(size=32, train=40, val=8, heldout=8, seed=5))
+    vq = VQVAETrainConfig.load(None, [
+        f"data.dataset={root / 'scenes'}", f"run_dir={root / 'vq'}", "model.hidden=8",
+        "model.res_blocks=0", "model.codebook_size=16", "model.code_dim=4",
+        "train.batch_size=8", "train.max_steps=60", "optim.lr=1e-2", "train.eval_images=4",
+        "train.restart_every=1", "model.ema=false",
+    ])  # fmt: skip
+    VQVAERun(vq).run(progress=False)
+    dit = DiTTrainConfig.load(None, [
+        f"data.dataset={root / 'scenes'}", f"vqvae={root / 'vq'}", f"run_dir={root / 'dit'}",
+        "model.width=32", "model.depth=1", "model.heads=2", "model.text_layers=1",
+        "train.batch_size=8", "train.max_steps=30", "optim.lr=3e-3", "train.eval_images=4",
+        "schedule.warmup_steps=1", "diffusion.sample_steps=4",
+    ])  # fmt: skip
+    DiTRun(dit).run(progress=False)
+    return root / "dit"
+
+
+@pytest.fixture(scope="session")
+def image_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny trained text-to-image run (kiln image train-dit), 32×32, 4 sampling steps."""
+    return build_image_run(tmp_path_factory.mktemp("image"))
+
+
 @contextmanager
 def serve_model(
-    model_dir: Path, *, engine_options: dict[str, Any] | None = None, **options: Any
-) -> Iterator[RunningServer]:
-    """Serve `model_dir` in this process (a uvicorn thread) until the block ends."""
+    model_dir: Path, *, engine_options: dict[str, Any] | None = None,
+    image_model: Any = None, **options: Any,
+) -> Iterator[RunningServer]:  # fmt: skip
+    """Serve `model_dir` in this process (a uvicorn thread) until the block ends; with
+    `image_model` (a loaded ImageModel) also /v1/images/generations, named "pictures"."""
     from kiln.loading import load_model
     from kiln.serve.engine import Engine, EngineConfig
     from kiln.serve.http.limits import ServerLimits
@@ -90,8 +130,10 @@ def serve_model(
     drafter = engine_options.pop("drafter", None)
     engine = Engine.from_loaded(loaded, EngineConfig(**engine_options), drafter)
     limits = options.pop("limits", ServerLimits())
+    if image_model is not None:
+        options.setdefault("image_model_name", "pictures")
     opts = ServerOptions(options.pop("model_name", "tiny"), limits, **options)
-    app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, opts)
+    app = create_app(engine, loaded.tokenizer, loaded.model.cfg.block_size, opts, image_model)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -104,7 +146,8 @@ def serve_model(
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, server, app.state.service)
+        yield RunningServer(f"http://127.0.0.1:{port}", engine, server, app.state.service,
+                            app.state.images)  # fmt: skip
     finally:
         server.should_exit = True
         thread.join(timeout=15)

@@ -17,9 +17,13 @@ from typing import Any
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
+import torch
 
 from kiln.serve.http.server import PAGE_POLICY, page_html
 from tests.serve.http.conftest import RunningServer, serve_model
+
+SHOTS_ENV = "KILN_TEST_SHOTS"  # a folder that also gets the illustrated page's screenshot (docs)
+IMAGE_STEP_S = 0.25  # each denoising step waits this long, so the previews can be watched
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 STEP_DELAY_S = 0.01  # slows the engine so a person (and this test) can watch the story grow
@@ -161,6 +165,7 @@ def test_write_watch_it_stream_stop_continue_and_look_inside(
     # Illustrate, then history: the story survives a reload (localStorage).
     d.find_element("id", "illustrate").click()
     assert d.find_element("css selector", "#picture svg").is_displayed()
+    assert "not by a model" in d.find_element("css selector", "#picture figcaption").text
     d.save_screenshot(str(tmp_path / "4-illustrated.png"))
     d.refresh()
     wait_for(d, lambda d: d.find_elements("css selector", "#history li button"), "the history")
@@ -197,3 +202,71 @@ def test_a_chat_model_writes_and_rewrites_the_story_on_request(
         d.save_screenshot(str(tmp_path / "chat-change.png"))
         items = d.find_elements("css selector", "#history li")
         assert len(items) == 2 and "changed: make it happier" in items[0].text
+
+
+class SlowImageModel:
+    """The image model, each denoising step slowed so its preview can be watched arriving."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, prompts: list[str], seed: int, steps: Any = None, on_step: Any = None,
+               guidance: Any = None) -> torch.Tensor:  # fmt: skip
+        def step(i: int, pictures: torch.Tensor) -> None:
+            time.sleep(IMAGE_STEP_S)
+            if on_step is not None:
+                on_step(i, pictures)
+
+        return self.inner.sample(prompts, seed, steps, step, guidance)
+
+
+def test_illustrate_draws_the_story_with_the_image_model_step_by_step(
+    browser: Any, base_model: Path, image_run: Path, tmp_path: Path
+) -> None:
+    import os
+
+    from kiln.image.sampler import load_image_model
+
+    model = load_image_model(image_run)
+    steps = model.diffusion.sample_steps
+    with serve_model(base_model, image_model=SlowImageModel(model)) as server:
+        d = browser
+        d.get(server.url + "/")
+        wait_for(d, lambda d: "pictures: pictures" in d.find_element("id", "model").text, "model")
+        d.execute_script(
+            "const s = document.getElementById('length'); s.value = 20;"
+            "s.dispatchEvent(new Event('input'));"
+        )
+        d.find_element("id", "prompt").send_keys(
+            "Once upon a time, a little dog found a big red ball under a tree."
+        )
+        d.find_element("id", "write").click()
+        status = d.find_element("id", "status")
+        wait_for(d, lambda d: status.text.startswith("Done"), "the story")
+        d.find_element("id", "illustrate").click()
+        # The steps' pictures arrive one by one, each shown as it comes.
+        counts: set[int] = set()
+
+        def shown(d: Any) -> bool:
+            counts.add(len(d.find_elements("css selector", "#steps img")))
+            return "Drawn by" in d.find_element("id", "drawn-by").text
+
+        wait_for(d, shown, "the finished picture")
+        assert len(counts - {0, steps}) >= 2, counts  # seen part-way, more than once
+        thumbs = d.find_elements("css selector", "#steps img")
+        assert [t.get_attribute("data-step") for t in thumbs] == [str(i + 1) for i in range(steps)]
+        drawn = d.find_element("id", "drawn")
+        assert drawn.get_attribute("src").startswith("data:image/png;base64,")
+        assert drawn.get_attribute("naturalWidth") == str(model.size)
+        caption = d.find_element("id", "drawn-by").text
+        assert "image model pictures" in caption
+        assert "“a big red ball under a green tree”" in caption, caption
+        assert "dog, ball, tree" in caption
+        assert not d.find_elements("css selector", "#picture svg")  # not the composer
+        d.save_screenshot(str(tmp_path / "illustrated-by-model.png"))
+        assert (tmp_path / "illustrated-by-model.png").stat().st_size > 10_000
+        if os.environ.get(SHOTS_ENV):
+            d.save_screenshot(str(Path(os.environ[SHOTS_ENV]) / "storyteller-illustrate.png"))
