@@ -57,7 +57,7 @@ SAMPLE_EXAMPLES = """examples:
   kiln image sample runs/dit32 --prompt "a red ball under a tree" -n 4 --out grid.png --seed 1
   kiln image sample runs/dit32 --prompt "a yellow sun in the sky" --steps 50 --guidance 4 \\
       --out sun.png --force
-  kiln image sample runs/imgtok32 --prompt "a red ball under a tree" --temperature 0.9 --out t.png"""
+  kiln image sample runs/imgtok_32 --prompt "a red ball under a tree" --temperature 0.9 --out t.png"""
 
 
 def _register_sample(commands: Any) -> None:
@@ -115,7 +115,7 @@ def run_sample(args: argparse.Namespace) -> int:
                           **knobs)  # fmt: skip
     seconds = time.perf_counter() - start
     save_grid(images, out)
-    steps = model.layout.codes_per_image if tokens else args.steps or model.diffusion.sample_steps
+    steps = args.steps or model.diffusion.sample_steps
     print(f"wrote {out}: {args.n} × {model.size}×{model.size}, {steps} steps, "
           f"{seconds / args.n:.2f} s a picture")  # fmt: skip
     return 0

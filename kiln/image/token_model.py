@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,12 @@ def row_generators(n: int, seed: int) -> list[torch.Generator]:
 def sample_codes(
     model: Transformer, prompts: Sequence[Sequence[int]], layout: TokenLayout, seed: int,
     temperature: float = 1.0, top_k: int | None = None,
-    on_row: Callable[[int, Tensor], None] | None = None,
+    on_code: Callable[[int, Tensor], None] | None = None,
 ) -> Tensor:  # fmt: skip
     """(N, grid, grid) code indices: h·w tokens per prompt, sampled among the code ids only.
 
-    Each prompt ends with `<|image|>`; on_row(r, codes) is called after each completed row of
-    codes with the (N, grid, grid) codes so far (zeros where none is drawn yet).
+    Each prompt ends with `<|image|>`; on_code(i, codes) is called after code i (raster order)
+    with the (N, grid, grid) codes so far (zeros where none is drawn yet).
     """
     n, total = len(prompts), layout.codes_per_image
     lengths = [len(p) for p in prompts]
@@ -88,11 +89,21 @@ def sample_codes(
             picked = torch.cat([torch.multinomial(p[None], 1, generator=g)[0]
                                 for p, g in zip(probs, generators, strict=True)])  # fmt: skip
         codes[:, i] = picked
-        if on_row is not None and (i + 1) % layout.grid == 0:
-            on_row((i + 1) // layout.grid - 1, codes.view(n, layout.grid, layout.grid).clone())
+        if on_code is not None:
+            on_code(i, codes.view(n, layout.grid, layout.grid).clone())
         if i < total - 1:
             logits = decode_step(model, (picked + lo).to(device)[:, None], cache)
     return codes.view(n, layout.grid, layout.grid)
+
+
+@dataclass(frozen=True)
+class TokenSteps:
+    """The sampling knobs by the names the DiT's `ImageModel.diffusion` has (what the CLI and
+    the server read): a picture is h·w decode steps, with no guidance."""
+
+    sample_steps: int
+    timesteps: int
+    guidance: float = 1.0
 
 
 class TokenImageModel:
@@ -109,6 +120,7 @@ class TokenImageModel:
         self.vq = vq.eval()
         self.source = source
         self.image_id = tokenizer.special_tokens[IMAGE]
+        self.diffusion = TokenSteps(layout.codes_per_image, layout.codes_per_image)
 
     @property
     def size(self) -> int:
@@ -148,7 +160,7 @@ class TokenImageModel:
         on_step: OnStep | None = None, guidance: float | None = None,
         temperature: float = 1.0, top_k: int | None = None,
     ) -> Tensor:  # fmt: skip
-        """Pictures (N, 3, H, W) in [0, 1]; on_step(row, previews) after each row of codes.
+        """Pictures (N, 3, H, W) in [0, 1]; on_step(i, previews) after each code i.
 
         `steps` and `guidance` are the DiT's knobs: this route always draws h·w codes and has
         no unconditional branch, so a steps other than h·w or a guidance other than 1 is an error.
@@ -166,9 +178,9 @@ class TokenImageModel:
             raise KilnError(f"top_k must be >= 1, got {top_k}")
         ids = self.caption_ids(prompts)
 
-        def preview(row: int, codes: Tensor) -> None:
+        def preview(i: int, codes: Tensor) -> None:
             assert on_step is not None
-            on_step(row, self.decode(codes))
+            on_step(i, self.decode(codes))
 
         codes = sample_codes(self.model, ids, self.layout, seed, temperature, top_k,
                              preview if on_step else None)  # fmt: skip

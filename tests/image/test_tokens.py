@@ -90,11 +90,11 @@ def test_sampling_emits_only_code_ids_exactly_h_times_w() -> None:
     layout = TokenLayout(20, 20, 21, 8, 3, 16, 19, 12)
     model = _lm(layout, favour_text=True)
     prompts = [[5, 6, 7, layout.image_id], [8, layout.image_id]]  # different lengths: padded
-    rows: list[int] = []
-    codes = sample_codes(model, prompts, layout, seed=0, on_row=lambda r, c: rows.append(r))
+    steps: list[int] = []
+    codes = sample_codes(model, prompts, layout, seed=0, on_code=lambda i, c: steps.append(i))
     assert codes.shape == (2, 3, 3) and codes.dtype == torch.long
     assert ((codes >= 0) & (codes < layout.codebook_size)).all()
-    assert rows == [0, 1, 2]
+    assert steps == list(range(9))
     # Unconstrained, the same model would pick the non-code ids.
     with torch.no_grad():
         logits = model.logits(model.hidden(torch.tensor([prompts[0]]))[:, -1])
@@ -130,7 +130,10 @@ def test_kiln_train_on_the_shards_then_sample_end_to_end(shards, tmp_path: Path,
     assert code == 0
     model = load_image_model(run)
     assert isinstance(model, TokenImageModel) and model.size == 32
-    pictures = model.sample(["a red ball", "a blue boat on water"], seed=2)
+    previews: list[int] = []
+    pictures = model.sample(["a red ball", "a blue boat on water"], seed=2,
+                            on_step=lambda i, p: previews.append(p.shape[0]))  # fmt: skip
+    assert previews == [2] * model.diffusion.sample_steps == [2] * layout.codes_per_image
     assert pictures.shape == (2, 3, 32, 32) and 0 <= pictures.min() <= pictures.max() <= 1
     again = load_token_image_model(run).sample(["a red ball"], seed=2)
     assert torch.allclose(pictures[0], again[0])
