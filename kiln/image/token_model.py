@@ -222,10 +222,9 @@ def _load_transformer(step: Path, state: dict[str, Any], device: str) -> Transfo
     tensors = load_file(step / "model.safetensors")
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # A tied head is stored once, as the embedding: its name is missing, its storage is not.
-    stored = {t.untyped_storage().data_ptr() for n, t in model.state_dict().items() if n in tensors}
-    missing = [
-        n for n in missing if model.state_dict()[n].untyped_storage().data_ptr() not in stored
-    ]
+    own = model.state_dict()
+    stored = {t.untyped_storage().data_ptr() for n, t in own.items() if n in tensors}
+    missing = [n for n in missing if own[n].untyped_storage().data_ptr() not in stored]
     if missing or unexpected:
         raise KilnError(
             f"{step / 'model.safetensors'} does not match its config: missing {sorted(missing)}, "

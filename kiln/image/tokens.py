@@ -161,8 +161,9 @@ def load_vqvae_run(run: str | os.PathLike[str]) -> tuple[VQVAE, Path]:
     from safetensors.torch import load_file
 
     step = latest_step(Path(run), "VQ-VAE run")
-    model_cfg = read_state(step).get("config", {}).get("model", {})
-    if "codebook_size" not in model_cfg or "vq_model" in read_state(step).get("config", {}):
+    config = read_state(step).get("config", {})
+    model_cfg = config.get("model", {})
+    if "codebook_size" not in model_cfg or "vq_model" in config:  # a DiT run holds one too
         raise KilnError(f"{run}: not a VQ-VAE run (train one with `kiln image train-vqvae`)")
     vq = VQVAE(vq_config(model_cfg))
     weights = step / "model.safetensors"
