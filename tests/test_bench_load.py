@@ -148,6 +148,7 @@ SCRIPTS = {
     "data_scale": ["--tmp", "T"],
     "distill": ["T/o"],
     "image": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
+    "image_tokens": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
     "invariance": ["--out", "T/i.json"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],
