@@ -5,8 +5,10 @@
 
 One run, side by side:
 1. `kiln image data` scenes (8000 train, 500 held-out compositions).
-2. The checker (kiln/image/checker.py), trained on renders only for --checker-steps; its
-   per-attribute accuracy on the held-out renders comes first: the scores mean what it means.
+2. The checker (kiln/image/checker.py), trained for --checker-steps on renders only: a second
+   scene dataset (seed 1) with the held-out compositions included (a checker that never saw a
+   yellow car cannot say a car is yellow), never the pictures it scores. Its per-attribute
+   accuracy on the held-out renders of step 1 comes first: the scores mean what it means.
 3. kiln: the VQ-VAE for --prep-minutes, then the DiT on its latents for --minutes.
 4. The anchor: diffusers' UNet2DModel with DDPMScheduler, trained by the loop of diffusers'
    "train a diffusion model" tutorial (noise, random timesteps, `add_noise`, MSE on ε, AdamW) on
@@ -86,22 +88,26 @@ def _budget_loop(step, seconds: float) -> tuple[int, float, float]:
     return n, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def prepare(work: Path, sizes: dict[str, Any], size: int) -> Path:
-    """The scene dataset (built once per --work folder)."""
+def prepare(work: Path, sizes: dict[str, Any], size: int) -> tuple[Path, Path]:
+    """The scene dataset, and the checker's own (seed 1, held-out compositions included)."""
     from kiln.image.dataset import ScenesSpec, build_scenes
 
-    scenes = work / "scenes"
-    if not (scenes / "manifest.json").is_file():
-        spec = ScenesSpec(size, sizes["train"], sizes["val"], sizes["heldout"], seed=0)
-        build_scenes(scenes, spec)
-    return scenes
+    scenes, checker = work / "scenes", work / "checker_scenes"
+    n = sizes["train"]
+    for out, spec in ((scenes, ScenesSpec(size, n, sizes["val"], sizes["heldout"], seed=0)),
+                      (checker, ScenesSpec(size, n, 0, n // 2, seed=1))):  # fmt: skip
+        if not (out / "manifest.json").is_file():
+            build_scenes(out, spec)
+    return scenes, checker
 
 
 def train_checker(work: Path, scenes: Path, size: int, steps: int, tiny: bool) -> Any:
-    """The checker for `steps` steps (a yardstick, not a contestant: steps, not minutes)."""
+    """The checker for `steps` steps (a yardstick, not a contestant: steps, not minutes), on
+    its own renders: seen and held-out compositions alike, other pictures than the scored ones."""
     from kiln.train.checker import CheckerRun, CheckerTrainConfig
 
     sets = [f"data.dataset={scenes}", f"run_dir={work / 'checker'}", "train.max_steps=100000",
+            'train.extra_splits=["heldout"]', "data.eval_splits=[]",
             f"model.image_size={size}",
             "train.log_every=50", "train.eval_every=100000", "schedule.warmup_steps=20"]  # fmt: skip
     if tiny:
@@ -137,7 +143,7 @@ def train_kiln(
         vq._lock.release()
         sets = [f"data.dataset={scenes}", f"vqvae={work / 'vqvae'}", f"run_dir={work / 'dit'}",
                 "train.max_steps=100000", "train.log_every=50", "schedule.warmup_steps=50",
-                "optim.lr=1e-3", "train.batch_size=64"]  # fmt: skip
+                "optim.lr=1e-3", "train.batch_size=32"]  # fmt: skip
         if tiny:
             sets += ["model.width=32", "model.depth=1", "model.heads=2", "model.text_layers=1",
                      "train.batch_size=8"]  # fmt: skip
@@ -200,7 +206,7 @@ def train_anchor(work: Path, scenes: Path, seconds: float, tiny: bool, dit: Any)
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     params = [*unet.parameters(), *text.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3 if not tiny else 2e-3)
-    batch = 8 if tiny else 64
+    batch = 8 if tiny else 32
     rng = np.random.default_rng(0)
 
     def step() -> None:
@@ -276,10 +282,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    scenes = prepare(work, sizes, args.size)
+    scenes, checker_scenes = prepare(work, sizes, args.size)
     data = ImageDataset.open(scenes)
     checker_steps = args.checker_steps or sizes["checker_steps"]
-    checker_run, checker_time = train_checker(work, scenes, args.size, checker_steps, args.tiny)
+    checker_run, checker_time = train_checker(
+        work, checker_scenes, args.size, checker_steps, args.tiny
+    )
     checker = checker_run.model.eval()
     held = data.records("heldout")
     renders = to_unit(torch.from_numpy(np.array(data.images("heldout"))))
@@ -353,13 +361,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="sampling steps for both (full: 20)")
     parser.add_argument("--prep-minutes", type=float, help="kiln's VQ-VAE minutes (full: 1)")
     parser.add_argument("--checker-steps", type=int, help="checker training steps (full: 1000)")
-    parser.add_argument("--work", default="bench_image", help="folder for data and runs")
+    parser.add_argument("--work", help="folder for data and runs (default: a new temporary one)")
     parser.add_argument("--grid", help="where to write the grid PNG (default WORK/image_grid.png)")
     parser.add_argument("--out", help="also write the JSON record here")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     add_noisy_flag(parser)
     args = parser.parse_args(argv)
     measured = begin("bench/image.py", args.noisy)
+    if args.work is None:
+        import tempfile
+
+        args.work = tempfile.mkdtemp(prefix="kiln-bench-image-")
     work = Path(args.work)
     if work.exists() and any((work / n).exists() for n in ("checker", "vqvae", "dit")):
         sys.exit(f"bench/image.py: {work} holds runs of an earlier bench; give another --work")

@@ -6,7 +6,8 @@ VQ codes (images as tokens), over one VQ-VAE, scored by one checker.
 
 One run, side by side (data, checker and the DiT side are bench/image.py's own functions):
 1. `kiln image data` scenes (8000 train, 500 held-out compositions) and the checker, trained on
-   renders only; its per-attribute accuracy on the held-out renders comes first.
+   renders only (its own, as in bench/image.py: never the pictures it scores); its
+   per-attribute accuracy on the held-out renders comes first.
 2. The VQ-VAE for --prep-minutes (shared by both routes), then the DiT on its latents for
    --minutes (bench/image.py's train_kiln).
 3. The token route: `kiln image tokens` over that VQ-VAE (timed), then `kiln train`'s Trainer
@@ -94,10 +95,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    scenes = prepare(work, sizes, 32)
+    scenes, checker_scenes = prepare(work, sizes, 32)
     data = ImageDataset.open(scenes)
     checker_steps = args.checker_steps or sizes["checker_steps"]
-    checker_run, checker_time = train_checker(work, scenes, 32, checker_steps, args.tiny)
+    checker_run, checker_time = train_checker(work, checker_scenes, 32, checker_steps, args.tiny)
     checker = checker_run.model.eval()
     held = data.records("heldout")
     renders = to_unit(torch.from_numpy(np.array(data.images("heldout"))))
@@ -166,13 +167,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="DiT sampling steps (full: 20)")
     parser.add_argument("--temperature", type=float, default=1.0, help="token sampling (1)")
     parser.add_argument("--checker-steps", type=int, help="checker training steps (full: 1000)")
-    parser.add_argument("--work", default="bench_image_tokens", help="folder for data and runs")
+    parser.add_argument("--work", help="folder for data and runs (default: a new temporary one)")
     parser.add_argument("--grid", help="the grid PNG (default WORK/image_tokens_grid.png)")
     parser.add_argument("--out", help="also write the JSON record here")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     add_noisy_flag(parser)
     args = parser.parse_args(argv)
     measured = begin("bench/image_tokens.py", args.noisy)
+    if args.work is None:
+        import tempfile
+
+        args.work = tempfile.mkdtemp(prefix="kiln-bench-image-tokens-")
     work = Path(args.work)
     if work.exists() and any((work / n).exists() for n in ("checker", "vqvae", "dit", "imgtok")):
         sys.exit(

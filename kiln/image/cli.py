@@ -83,6 +83,7 @@ def _register_sample(commands: Any) -> None:
     p.add_argument("--top-k", type=int, help="token route: sample among the k likeliest codes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_sample)
 
 
@@ -105,17 +106,22 @@ def run_sample(args: argparse.Namespace) -> int:
         raise KilnError(f"{out} already exists; pass --force to replace it")
     model = load_image_model(args.run, args.device)
     model.caption_ids([args.prompt], "--prompt")  # a bad prompt named as the flag it came in
+    from tqdm import tqdm
+
     tokens = getattr(model, "route", "") == "tokens"
     if not tokens and (args.temperature is not None or args.top_k is not None):
         raise KilnError("--temperature and --top-k are for a token-route run (kiln image tokens)")
     temperature = 1.0 if args.temperature is None else args.temperature
     knobs: dict = {"temperature": temperature, "top_k": args.top_k} if tokens else {}
+    steps = args.steps or model.diffusion.sample_steps
     start = time.perf_counter()
-    images = model.sample([args.prompt] * args.n, args.seed, args.steps, guidance=args.guidance,
-                          **knobs)  # fmt: skip
+    with tqdm(total=steps, unit="step", disable=args.quiet, file=sys.stderr) as bar:
+        images = model.sample(
+            [args.prompt] * args.n, args.seed, args.steps, guidance=args.guidance,
+            on_step=lambda step, previews: bar.update(), **knobs,
+        )  # fmt: skip
     seconds = time.perf_counter() - start
     save_grid(images, out)
-    steps = args.steps or model.diffusion.sample_steps
     print(f"wrote {out}: {args.n} × {model.size}×{model.size}, {steps} steps, "
           f"{seconds / args.n:.2f} s a picture")  # fmt: skip
     return 0

@@ -1,6 +1,9 @@
 """Training the checker on rendered scenes: `kiln image train-checker CONFIG.toml`.
 
-Only rendered pictures and their ground truth are used. Each step flips a random half of the
+Only rendered pictures and their ground truth are used, never generated ones. To score unseen
+compositions it must know them: `train.extra_splits` adds splits (the held-out compositions of
+a dataset drawn with another seed) to what it learns from; it is then measured on pictures it
+never saw. Each step flips a random half of the
 batch left-right (mirroring the centres' x) so the checker sees layouts the grammar rarely
 draws; the flips come from torch's RNG, which every checkpoint keeps. Its accuracy on the
 eval splits (held-out compositions included) is what says whether its scores mean anything.
@@ -23,10 +26,9 @@ from kiln.image.checker import Checker, CheckerConfig, checker_loss, predict, sc
 from kiln.image.dataset import ImageDataset
 from kiln.image.vqvae import to_unit
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import ImageRun
+from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
-from kiln.train.vqvae import CheckpointSection, ImageDataSection
 
 
 @dataclass
@@ -40,6 +42,9 @@ class CheckerTrainSection:
     eval_images: int = 500
     log_every: int = 25
     flip: bool = True  # mirror a random half of each batch (left of <-> right of)
+    # More splits to learn from beside data.train_split, e.g. ["heldout"] of a dataset drawn
+    # with another seed: a checker that never saw a yellow car cannot say a car is yellow.
+    extra_splits: tuple[str, ...] = ()
     device: str = "cpu"
     seed: int = 0
 
@@ -91,7 +96,8 @@ class CheckerRun(ImageRun):
                 f"model.image_size = {cfg.model.image_size}, but {cfg.data.dataset} holds "
                 f"{self.data.size}×{self.data.size} pictures"
             )
-        records = self.data.records(cfg.data.train_split)
+        splits = [cfg.data.train_split, *cfg.train.extra_splits]
+        records = [r for split in splits for r in self.data.records(split)]
         if not records or "objects" not in records[0]:
             raise KilnError(
                 f"{cfg.data.dataset}: the checker needs rendered scenes with ground truth "
@@ -104,7 +110,8 @@ class CheckerRun(ImageRun):
         torch.manual_seed(cfg.train.seed)
         self.model = Checker(cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.images = self.data.images(cfg.data.train_split)
+        parts = [self.data.images(split) for split in splits]
+        self.images = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.truth = targets(records)
         self.eval_splits = [s for s in cfg.data.eval_splits if s in self.data.splits]
         self.start()

@@ -28,10 +28,9 @@ from kiln.image.dit import DiTConfig, TextToImage
 from kiln.image.schedules import DiffusionConfig, Schedule
 from kiln.image.vqvae import VQVAEConfig, to_unit
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import ImageRun
+from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
-from kiln.train.vqvae import CheckpointSection, ImageDataSection
 
 
 @dataclass

@@ -1,9 +1,8 @@
-"""The loop the DiT and the checker train on: the VQ-VAE trainer's machinery, shared.
+"""The loop the image models train on: the VQ-VAE's, the DiT's and the checker's runs.
 
-Like kiln/train/vqvae.py (whose pattern this follows): the run-folder lock, the refusal to
-start over a run without --resume, leftovers tidied, atomic checkpoints with `latest` holding
-weights, optimizer, cursor and RNG states, metrics.jsonl, Ctrl-C/SIGTERM saving between steps,
-and batches that are a pure function of (seed, epoch, position), so a resumed run takes the same
+Each subclasses ImageRun: the run-folder lock, the refusal to start over a run without
+--resume, leftovers tidied, atomic checkpoints with `latest` holding weights, optimizer, cursor
+and RNG states, metrics.jsonl, Ctrl-C/SIGTERM saving between steps, and batches that are a pure function of (seed, epoch, position), so a resumed run takes the same
 steps bit for bit. A subclass builds `self.model` and `self.optimizer`, and gives `train_step`,
 `evaluate` and `postfix`.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,42 @@ import torch
 
 from kiln import checkpoint_format as fmt
 from kiln import config as cfgio
+from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import lock_folder
 from kiln.io import atomic_write, write_json_atomic
 from kiln.train import checkpoint as ckpt
 from kiln.train.metrics import MetricsLog
-from kiln.train.vqvae import batch_indices
+
+
+@dataclass
+class ImageDataSection:
+    """Which image dataset, which split trains, which are evaluated."""
+
+    dataset: str = ""
+    train_split: str = "train"
+    eval_splits: tuple[str, ...] = ("val", "heldout")  # those the dataset lacks are skipped
+
+    def __post_init__(self) -> None:
+        require(bool(self.dataset), "data.dataset: give the image dataset directory")
+
+
+@dataclass
+class CheckpointSection:
+    """How often to save and how many to keep."""
+
+    every: int = 500
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        require(self.every >= 1, f"checkpoint.every must be >= 1, got {self.every}")
+        require(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+def batch_indices(n: int, batch: int, seed: int, epoch: int, position: int) -> np.ndarray:
+    """The batch at `position` of `epoch`: a slice of that epoch's seeded permutation."""
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.sort(order[position : position + batch])
 
 
 class ImageRun:

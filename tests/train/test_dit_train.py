@@ -134,3 +134,32 @@ def test_the_checker_learns_from_renders_and_loads_back(trained, tmp_path: Path)
     assert checker.config.features == 32
     with pytest.raises(KilnError, match="not a checker checkpoint"):
         load_checker(trained[1])
+
+
+def test_a_missing_or_wrong_vqvae_is_one_clear_error(trained, tmp_path: Path) -> None:
+    scenes = trained[0]
+    with pytest.raises(KilnError, match=r"vqvae = .*: no checkpoint in .*train it first"):
+        DiTRun(_dit((scenes, tmp_path / "nothing"), tmp_path / "r"))
+    DiTRun(_dit(trained, tmp_path / "d", "train.max_steps=1")).run(progress=False)
+    with pytest.raises(KilnError, match="is not a VQ-VAE checkpoint"):
+        DiTRun(_dit((scenes, tmp_path / "d"), tmp_path / "r2"))
+
+
+def test_caption_dropout_empties_that_share_of_captions(trained, tmp_path: Path) -> None:
+    run = DiTRun(_dit(trained, tmp_path / "r", "model.caption_dropout=0.3"))
+    torch.manual_seed(0)
+    ids = run.ids[:1].repeat(4000, 1)
+    dropped = run._drop_captions(ids)
+    pad = run.model.dit.text.pad_id
+    empty = (dropped[:, 1:] == pad).all(1)
+    assert 0.27 < empty.float().mean() < 0.33
+    assert torch.equal(dropped[~empty], ids[~empty]) and (dropped[:, 0] == ids[:, 0]).all()
+
+
+def test_the_checker_can_learn_from_more_splits(trained, tmp_path: Path) -> None:
+    scenes = trained[0]
+    sets = [f"data.dataset={scenes}", f"run_dir={tmp_path / 'c'}", *CHECKER,
+            'train.extra_splits=["heldout"]', "data.eval_splits=[]"]  # fmt: skip
+    run = CheckerRun(CheckerTrainConfig.load(None, sets))
+    assert run.n_train == 40 + 8 and len(run.images) == 48 and len(run.truth["present"]) == 48
+    assert run.evaluate() == {}
