@@ -149,6 +149,7 @@ SCRIPTS = {
     "distill": ["T/o"],
     "gguf_parity": ["--model", "T/m"],
     "image": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
+    "image_tokens": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
     "invariance": ["--out", "T/i.json"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],

@@ -23,6 +23,7 @@ from kiln.errors import KilnError, not_found
 from kiln.image.captions import encode_captions
 from kiln.image.dit import DiTConfig, TextToImage
 from kiln.image.schedules import DiffusionConfig, Schedule
+from kiln.image.token_model import TokenImageModel, is_token_run, load_token_image_model
 from kiln.image.vqvae import VQVAEConfig
 
 OnStep = Callable[[int, Tensor], None]
@@ -149,12 +150,20 @@ def read_run(run_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     return step, state
 
 
-def load_image_model(run_dir: str | os.PathLike[str], device: str = "cpu") -> ImageModel:
-    """The text-to-image model of a `kiln image train-dit` run, in eval mode on `device`."""
+def load_image_model(
+    run_dir: str | os.PathLike[str], device: str = "cpu"
+) -> ImageModel | TokenImageModel:
+    """The text-to-image model of a `kiln image train-dit` run, in eval mode on `device`.
+
+    A `kiln train` run on `kiln image tokens` shards gives its TokenImageModel instead: the same
+    `.sample(prompts, seed, ...)`, `.caption_ids` and `.size`, drawn code by code.
+    """
     from safetensors.torch import load_file
 
     from kiln.tokenizer import Tokenizer
 
+    if is_token_run(run_dir):
+        return load_token_image_model(run_dir, device)
     step, state = read_run(run_dir)
     config = state["config"]
     model = TextToImage(
