@@ -211,7 +211,9 @@ def _write_task_records(
     for r in removals:
         final, local = r.pop("final", None), r.pop("local")
         record = {key: r[key] for key in ("id", "source", "file", "ordinal", "stage", "reason")}
-        record.update({key: r[key] for key in ("duplicate_of", "matched", "provenance") if key in r})
+        record.update(
+            {key: r[key] for key in ("duplicate_of", "matched", "provenance") if key in r}
+        )
         if "excerpt" in r:
             record["excerpt"] = r["excerpt"]
         by_stage[r["stage"]].append(record)

@@ -64,8 +64,12 @@ def run_synth_command(args: argparse.Namespace) -> int:
         m = command(args.config, tuple(args.set), args.out, args.force, not args.quiet)
     line = f"wrote {m['documents']:,} documents to {m['path']} (sha256 "
     print(f"{line}{m['sha256'][:12]}…, model {m['model']['model_sha256'][:12]}…)")
+    if m.get("parts_found"):
+        print(f"resumed: {m['parts_found']} part(s) found done, {m['parts_made']} made now")
     if "scores" in m:
         s = m["scores"]
-        print(f"scores: mean {s['mean']:.3f}, std {s['std']:.3f}; argmax digit counts "
-              f"{s['argmax_digits']}")  # fmt: skip
+        print(
+            f"scores: mean {s['mean']:.3f}, std {s['std']:.3f}; argmax digit counts "
+            f"{s['argmax_digits']}"
+        )
     return 0

@@ -98,7 +98,9 @@ class SamplingSection:
         if self.top_k is not None and self.top_k < 1:
             raise KilnError(f"sampling.top_k = {self.top_k}: expected >= 1")
         if self.repetition_penalty <= 0:
-            raise KilnError(f"sampling.repetition_penalty = {self.repetition_penalty}: expected > 0")
+            raise KilnError(
+                f"sampling.repetition_penalty = {self.repetition_penalty}: expected > 0"
+            )
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,12 @@ def run_units(
         if progress:
             rate = made_items / max(time.monotonic() - start, 1e-9)
             eta = (total - done_items) / rate if rate > 0 else float("inf")
-            print(f"\r  {done_items:,}/{total:,} documents  {rate:.2f} docs/s  ETA {eta:.0f}s",
-                  end="", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"\r  {done_items:,}/{total:,} documents  {rate:.2f} docs/s  ETA {eta:.0f}s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if progress and made:
         print(file=sys.stderr)
     return made, skipped

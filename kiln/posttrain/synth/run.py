@@ -68,7 +68,7 @@ def load_words(path: str) -> Words:
         lists[name] = tuple(value)
     features = data.get("features", {})
     if not isinstance(features, dict) or not all(isinstance(v, str) for v in features.values()):
-        raise KilnError(f"{where}: [features]: expected name = \"instruction\" pairs")
+        raise KilnError(f'{where}: [features]: expected name = "instruction" pairs')
     return Words(lists["nouns"], lists["verbs"], lists["adjectives"], dict(features))
 
 
@@ -103,6 +103,15 @@ def _units(items: list[Any], size: int) -> Iterator[tuple[int, list[Any]]]:
         yield unit, items[start : start + size]
 
 
+def _run(
+    folder: Path, items: list[Any], size: int, make: Any, summary: dict[str, Any], progress: bool
+) -> dict[str, Any]:
+    """Make the missing parts, join them; the manifest, with how many parts this run made."""
+    made, found = output.run_units(folder, _units(items, size), make, len(items), progress)
+    manifest = output.finish(folder, -(-len(items) // size), summary)
+    return {**manifest, "parts_made": made, "parts_found": found}
+
+
 def _sampling(cfg: Any) -> dict[str, Any]:
     return cfgio.to_dict(cfg.sampling)
 
@@ -113,16 +122,23 @@ def _prepare(cfg: Any, command: str, where: str, force: bool) -> tuple[SynthMode
         raise KilnError(f"{where}: output: give the output folder (or --out)")
     model = load_synth_model(cfg.model, where)
     digest = config_digest(cfg, model.provenance["model_sha256"])
-    identity = {"command": command, "digest": digest, "config": cfgio.to_dict(cfg),
-                "model": model.provenance}  # fmt: skip
+    identity = {
+        "command": command,
+        "digest": digest,
+        "config": cfgio.to_dict(cfg),
+        "model": model.provenance,
+    }
     finished = output.open_output(Path(cfg.output), identity, force)
     return model, Path(cfg.output), "" if finished else digest
 
 
 def generate(
-    path: str | Path, overrides: tuple[str, ...] = (), out: str = "", force: bool = False,
+    path: str | Path,
+    overrides: tuple[str, ...] = (),
+    out: str = "",
+    force: bool = False,
     progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run `kiln data synth generate CONFIG.toml`; the output's manifest."""
     cfg: GenerateConfig = load_synth_config(GenerateConfig, path, overrides)
     if out:
@@ -142,27 +158,35 @@ def generate(
             indices, drawn, seeds, texts, strict=True
         ):
             body = prompt + text if cfg.keep_prompt else text.strip()
-            records.append({
-                "id": f"gen-{digest[:8]}-{i:07d}",
-                "text": body,
-                "provenance": {
-                    "method": "generate", "recipe": "TinyStories", **model.provenance,
-                    "prompt": prompt, "seed": seed, "sampling": sampling, "drawn": choice,
-                    "finish_reason": finish,
-                },
-            })  # fmt: skip
+            records.append(
+                {
+                    "id": f"gen-{digest[:8]}-{i:07d}",
+                    "text": body,
+                    "provenance": {
+                        "method": "generate",
+                        "recipe": "TinyStories",
+                        **model.provenance,
+                        "prompt": prompt,
+                        "seed": seed,
+                        "sampling": sampling,
+                        "drawn": choice,
+                        "finish_reason": finish,
+                    },
+                }
+            )
         return records
 
-    items = list(range(cfg.documents))
-    units = -(-len(items) // cfg.model.batch_size)
-    output.run_units(folder, _units(items, cfg.model.batch_size), make, len(items), progress)
-    return output.finish(folder, units, {"model": model.provenance, "sampling": sampling})
+    summary = {"model": model.provenance, "sampling": sampling}
+    return _run(folder, list(range(cfg.documents)), cfg.model.batch_size, make, summary, progress)
 
 
 def rewrite(
-    path: str | Path, overrides: tuple[str, ...] = (), out: str = "", force: bool = False,
+    path: str | Path,
+    overrides: tuple[str, ...] = (),
+    out: str = "",
+    force: bool = False,
     progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run `kiln data synth rewrite CONFIG.toml`; the output's manifest."""
     cfg: RewriteConfig = load_synth_config(RewriteConfig, path, overrides)
     if out:
@@ -185,28 +209,39 @@ def rewrite(
                 "id": f"wrap-{digest[:8]}-{i:07d}",
                 "text": text.strip(),
                 "provenance": {
-                    "method": "rewrite", "recipe": "WRAP", "style": cfg.style, **model.provenance,
-                    "prompt": prompt, "seed": seed, "sampling": sampling,
-                    "input": _input_ref(d), "finish_reason": finish,
+                    "method": "rewrite",
+                    "recipe": "WRAP",
+                    "style": cfg.style,
+                    **model.provenance,
+                    "prompt": prompt,
+                    "seed": seed,
+                    "sampling": sampling,
+                    "input": _input_ref(d),
+                    "finish_reason": finish,
                 },
-            }  # fmt: skip
+            }
             for (i, d), prompt, seed, (text, finish) in zip(
                 items, prompts, seeds, texts, strict=True
             )
         ]
 
     items = list(enumerate(inputs))
-    units = -(-len(items) // cfg.model.batch_size)
-    output.run_units(folder, _units(items, cfg.model.batch_size), make, len(items), progress)
-    summary = {"model": model.provenance, "sampling": sampling, "style": cfg.style,
-               "inputs": len(inputs)}  # fmt: skip
-    return output.finish(folder, units, summary)
+    summary = {
+        "model": model.provenance,
+        "sampling": sampling,
+        "style": cfg.style,
+        "inputs": len(inputs),
+    }
+    return _run(folder, items, cfg.model.batch_size, make, summary, progress)
 
 
 def annotate(
-    path: str | Path, overrides: tuple[str, ...] = (), out: str = "", force: bool = False,
+    path: str | Path,
+    overrides: tuple[str, ...] = (),
+    out: str = "",
+    force: bool = False,
     progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run `kiln data annotate CONFIG.toml`; the output's manifest (with the score histogram)."""
     cfg: AnnotateConfig = load_synth_config(AnnotateConfig, path, overrides)
     if out:
@@ -227,16 +262,22 @@ def annotate(
         scores = model.digit_scores(prompts)
         return [
             {
-                "id": d["id"], "text": d["text"], **s,
-                "provenance": {"method": "annotate", "recipe": "FineWeb-Edu", **model.provenance,
-                               "rubric": cfg.rubric, "input": _input_ref(d)},
-            }  # fmt: skip
+                "id": d["id"],
+                "text": d["text"],
+                **s,
+                "provenance": {
+                    "method": "annotate",
+                    "recipe": "FineWeb-Edu",
+                    **model.provenance,
+                    "rubric": cfg.rubric,
+                    "input": _input_ref(d),
+                },
+            }
             for d, s in zip(items, scores, strict=True)
         ]
 
-    units = -(-len(inputs) // cfg.model.batch_size)
-    output.run_units(folder, _units(inputs, cfg.model.batch_size), make, len(inputs), progress)
-    manifest = output.finish(folder, units, {"model": model.provenance, "inputs": len(inputs)})
+    summary = {"model": model.provenance, "inputs": len(inputs)}
+    manifest = _run(folder, inputs, cfg.model.batch_size, make, summary, progress)
     return _with_score_summary(folder, manifest)
 
 
@@ -256,7 +297,8 @@ def _with_score_summary(folder: Path, manifest: dict[str, Any]) -> dict[str, Any
     }
     from kiln.io import write_json_atomic
 
-    write_json_atomic(folder / output.MANIFEST, {k: v for k, v in manifest.items() if k != "path"})
+    kept = {k: v for k, v in manifest.items() if k not in ("path", "parts_made", "parts_found")}
+    write_json_atomic(folder / output.MANIFEST, kept)
     return manifest
 
 
@@ -270,8 +312,13 @@ def _input_ref(doc: dict[str, Any]) -> dict[str, Any]:
     import hashlib
 
     sha = hashlib.sha256(doc["text"].encode("utf-8")).hexdigest()
-    return {"id": doc["id"], "source": doc["source"], "file": doc["file"],
-            "ordinal": doc["ordinal"], "sha256": sha}  # fmt: skip
+    return {
+        "id": doc["id"],
+        "source": doc["source"],
+        "file": doc["file"],
+        "ordinal": doc["ordinal"],
+        "sha256": sha,
+    }
 
 
 def read_inputs(specs: tuple[SourceSpec, ...], limit: int | None) -> list[dict[str, Any]]:
@@ -284,16 +331,27 @@ def read_inputs(specs: tuple[SourceSpec, ...], limit: int | None) -> list[dict[s
                 raise KilnError(f"sources[{spec.name!r}]: {pattern} matches no file")
             for file in hits:
                 fmt = detect_format(file) if spec.format == "auto" else spec.format
-                records = iter_records(file, fmt, text_field=spec.text_field,
-                                       id_field=spec.id_field or None, separator=spec.separator,
-                                       issues=ReadIssues())  # fmt: skip
+                records = iter_records(
+                    file,
+                    fmt,
+                    text_field=spec.text_field,
+                    id_field=spec.id_field or None,
+                    separator=spec.separator,
+                    issues=ReadIssues(),
+                )
                 for ordinal, doc in enumerate(records):
                     if doc is None:
                         continue
                     name = os.path.basename(file)
-                    docs.append({"id": doc.id or f"{spec.name}:{name}:{ordinal}",
-                                 "source": spec.name, "file": file, "ordinal": ordinal,
-                                 "text": doc.text})  # fmt: skip
+                    docs.append(
+                        {
+                            "id": doc.id or f"{spec.name}:{name}:{ordinal}",
+                            "source": spec.name,
+                            "file": file,
+                            "ordinal": ordinal,
+                            "text": doc.text,
+                        }
+                    )
                     if limit is not None and len(docs) >= limit:
                         return docs
     if not docs:
