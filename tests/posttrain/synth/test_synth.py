@@ -277,6 +277,10 @@ paths = ["ann.jsonl"]
     info = LinearClassifier.load(tmp_path / "cls.npz").info
     assert info["held_out"]["spearman"] > 0.7
     assert info["annotations"] == ["edu"] and info["positive_score"] == 3.0
+    from kiln.data.pipeline.report import _models
+
+    html = _models({"classifier": {**info, "model": "cls.npz", "threshold": 0.5}})
+    assert "LM annotations (edu)" in html and "Spearman" in html
 
 
 @pytest.mark.parametrize(
