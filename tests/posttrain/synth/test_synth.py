@@ -329,3 +329,20 @@ def test_a_mixture_share_out_of_range_names_the_source_and_file(tmp_path: Path) 
     )
     with pytest.raises(KilnError, match=r"p\.toml: sources\['synth'\]\.share = 1\.5"):
         load_pipeline_config(tmp_path / "p.toml")
+
+
+def test_spearman_ranks_ties_by_their_mean_rank() -> None:
+    import numpy as np
+
+    from kiln.data.pipeline.filter.model_training import spearman
+
+    assert spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 20.0, 30.0])) == pytest.approx(1.0)
+    assert spearman(np.array([1.0, 2.0, 3.0]), np.array([3.0, 2.0, 1.0])) == pytest.approx(-1.0)
+    # ties: ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): Pearson of the ranks
+    assert spearman(np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0, 4.0])) == (
+        pytest.approx(0.9486833, abs=1e-6)
+    )
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 5, 50).astype(float), rng.normal(size=50)
+    assert spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic, abs=1e-12)

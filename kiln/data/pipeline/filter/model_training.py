@@ -177,12 +177,19 @@ def _scored(
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation (average ranks for ties); nan for fewer than 2 points."""
-    from scipy.stats import spearmanr
-
+    """Spearman's rank correlation (average ranks for ties); nan when a side is constant."""
     if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
         return float("nan")
-    return float(spearmanr(a, b).statistic)
+    ra, rb = _average_ranks(a), _average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+
+
+def _average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, tied values sharing the mean of their ranks."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return ((ends - counts + 1 + ends) / 2.0)[inverse]
 
 
 def _train_on_annotations(cfg: ClassifierTrainConfig, base: Path) -> tuple[Any, dict[str, Any]]:
