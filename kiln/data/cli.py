@@ -86,6 +86,12 @@ def run_train_cls(args: argparse.Namespace) -> int:
         f"{held['accuracy']:.1%} on {held['documents']:,} (positive "
         f"{held['positive_accuracy']:.1%}, negative {held['negative_accuracy']:.1%})"
     )
+    if "spearman" in held:  # trained on LM annotations: how its scores rank against theirs
+        print(
+            f"agreement with the annotations on the held-out documents: accuracy "
+            f"{held['accuracy']:.1%} at score >= {record['positive_score']:g}, Spearman "
+            f"{held['spearman']:.3f}"
+        )
     return 0
 
 

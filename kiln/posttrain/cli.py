@@ -15,6 +15,7 @@ from kiln.commands import (
     add_tokenizer_option,
     command_group,
 )
+from kiln.posttrain.synth.cli import register as register_synth
 
 MODEL_HELP = "a kiln demo, run, train/, checkpoints/, checkpoint (step_N) or HF model folder"
 
@@ -56,6 +57,7 @@ def register(sub: Any) -> None:
     _add_chat_tokens_command(commands)
     _register_alignment(sub)
     _add_data_chat_command(command_group(sub, "data"))
+    register_synth(sub)
     _add_chat_command(sub)
     _add_sft_command(sub)
     _add_distill_command(sub)

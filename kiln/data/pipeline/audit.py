@@ -86,6 +86,8 @@ def format_history(record: dict[str, Any]) -> list[str]:
         f"  id {record['id']}  source {record['source']}  copy {record.get('copy', 0)}",
         f"  source record: input {record['file']} record {record['ordinal']}",
     ]
+    if "provenance" in record:
+        lines.extend(provenance_lines(record["provenance"]))
     history = record.get("history", [])
     if not history:
         lines.append("  changes: none (written as read)")
@@ -103,6 +105,22 @@ def format_history(record: dict[str, Any]) -> list[str]:
             lines.append(
                 f"    {d['id']} (input {d['file']} record {d['ordinal']}): {d['reason']}{via}"
             )
+    return lines
+
+
+def provenance_lines(p: dict[str, Any]) -> list[str]:
+    """Where a synthetic document came from: method, model and its sha256, seed, sampling."""
+    sampling = ", ".join(f"{k} {v}" for k, v in sorted(p.get("sampling", {}).items()))
+    lines = [
+        f"  synthetic: {p.get('method', '?')} ({p.get('recipe', '?')}) by {p.get('model', '?')} "
+        f"(weights sha256 {str(p.get('model_sha256', '?'))[:16]}…), seed {p.get('seed', '?')}",
+    ]
+    if sampling:
+        lines.append(f"    sampling: {sampling}")
+    if "input" in p:
+        lines.append(f"    rewritten from {p['input'].get('id')} ({p.get('style', '?')} style)")
+    if "prompt" in p:
+        lines.append(f"    prompt: {p['prompt'][:200]!r}")
     return lines
 
 

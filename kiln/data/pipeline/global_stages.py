@@ -268,6 +268,8 @@ def _write_task_records(
             if record is None:
                 continue
             record["source"], record["file"] = doc["source"], doc["meta"].get("file", "")
+            if "provenance" in doc["meta"]:
+                record["provenance"] = doc["meta"]["provenance"]
             sampled[record["reason"]] += 1
             if sampled[record["reason"]] <= job.samples:
                 text = doc["meta"].get("decontam_excerpt") or doc["text"]
@@ -278,7 +280,9 @@ def _write_task_records(
     for r in removals:
         final, local = r.pop("final", None), r.pop("local")
         record = {key: r[key] for key in ("id", "source", "file", "ordinal", "stage", "reason")}
-        record.update({key: r[key] for key in ("duplicate_of", "matched") if key in r})
+        record.update(
+            {key: r[key] for key in ("duplicate_of", "matched", "provenance") if key in r}
+        )
         if "excerpt" in r:
             record["excerpt"] = r["excerpt"]
         by_stage[r["stage"]].append(record)

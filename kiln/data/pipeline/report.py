@@ -303,6 +303,13 @@ def _models(models: dict[str, Any]) -> str:
             f"{c.get('quantile_documents', 0):,} held-out negative documents). Examples: <a href='#kept'>kept</a>, "
             f"<a href='#{_removed_anchor('classifier/classifier.low_score')}'>removed</a>.</p>"
         )
+        if "spearman" in held:  # trained on LM annotations (kiln data annotate)
+            out.append(
+                f"<p>Labels: LM annotations ({_esc(', '.join(c.get('annotations', [])))}), "
+                f"positive at score &ge; {c.get('positive_score', '?')}; agreement on the "
+                f"held-out documents: Spearman {held['spearman']:.3f} between P(positive) and "
+                f"the annotated score.</p>"
+            )
     p = models.get("perplexity")
     if p:
         out.append(

@@ -171,6 +171,8 @@ def _removal(doc: Document, stage: str, reason: str, excerpt: bool) -> dict[str,
     for key in EVIDENCE.get(stage, ()):
         if key in doc.meta:
             record[key] = doc.meta[key]
+    if "provenance" in doc.meta:
+        record["provenance"] = doc.meta["provenance"]
     if excerpt:
         record["excerpt"] = doc.text[:EXCERPT_CHARS]
     return record
@@ -402,6 +404,8 @@ def run_tokenize_task(task: TokenizeTask) -> dict[str, Any]:
                 "history": history,
                 "duplicates": clusters.get(i, []),
             }
+            if "provenance" in record["meta"]:
+                doc["provenance"] = record["meta"]["provenance"]
             docs.append(doc)
             _add_samples(samples, doc, record["text"], task.samples)
     tok, eot_id = _tokenizer(task.tokenizer, task.eot_token)

@@ -4,13 +4,17 @@ model-based quality stages, trained from sources named in TOML like the pipeline
 The classifier follows DCLM: positive documents from a high-quality reference set, negative
 ones from random pipeline input. A seeded hash puts `held_out` of each class aside; the model
 is trained on the rest and its accuracy on the held-out documents is stored in the model file
-(and shown in the pipeline report). The perplexity LM is trained on `reference` sources and
+(and shown in the pipeline report). With `[[annotations]]` instead (FineWeb-Edu, Penedo et al.
+2024): documents scored 0-5 by an LM (`kiln data annotate`), positive at `positive_score` or
+above (FineWeb-Edu's 3); the held-out report then adds the Spearman correlation between the
+classifier's score and the annotations. The perplexity LM is trained on `reference` sources and
 its percentile cutoffs are taken from `sample` sources (pipeline input), as CCNet's are.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,10 +34,14 @@ from kiln.errors import KilnError
 
 @dataclass(frozen=True)
 class ClassifierTrainConfig:
-    """Positive vs negative sources, the held-out share, and fastText-like settings."""
+    """Positive vs negative sources (or LM-scored annotations), the held-out share, and
+    fastText-like settings."""
 
-    positive: tuple[SourceSpec, ...]
-    negative: tuple[SourceSpec, ...]
+    positive: tuple[SourceSpec, ...] = ()
+    negative: tuple[SourceSpec, ...] = ()
+    annotations: tuple[SourceSpec, ...] = ()  # JSONL with a text and a 0-5 score per document
+    score_field: str = "score"
+    positive_score: float = 3.0  # an annotated document at or above this is positive
     output: str = "quality_classifier.npz"
     max_documents: int = 20_000  # per class, the first ones in source order
     held_out: float = 0.1
@@ -44,10 +52,14 @@ class ClassifierTrainConfig:
     buckets: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if not self.positive:
-            raise KilnError("positive: give at least one [[positive]] source")
-        if not self.negative:
-            raise KilnError("negative: give at least one [[negative]] source")
+        if self.annotations and (self.positive or self.negative):
+            raise KilnError("annotations: give [[annotations]] or [[positive]]/[[negative]], "
+                            "not both")  # fmt: skip
+        if not self.annotations:
+            if not self.positive:
+                raise KilnError("positive: give at least one [[positive]] source")
+            if not self.negative:
+                raise KilnError("negative: give at least one [[negative]] source")
         if not 0.0 < self.held_out < 1.0:
             raise KilnError(f"held_out = {self.held_out}: expected a fraction in (0, 1)")
         for name in ("max_documents", "epochs", "ngrams", "buckets"):
@@ -126,10 +138,108 @@ def _split(texts: list[str], seed: int, role: str, share: float) -> tuple[list[s
     return train, test
 
 
+def annotated_texts(
+    specs: tuple[SourceSpec, ...], base: Path, score_field: str, limit: int
+) -> list[tuple[str, float]]:
+    """(text, score) of the first `limit` records of the annotation JSONL files."""
+    out: list[tuple[str, float]] = []
+    for spec in specs:
+        for pattern in spec.paths:
+            hits = sorted(h for h in glob.glob(_resolve(pattern, base)) if os.path.isfile(h))
+            if not hits:
+                raise KilnError(f"annotations[{spec.name!r}]: {pattern} matches no file")
+            for path in hits:
+                out.extend(_scored(path, spec.text_field, score_field, limit - len(out)))
+                if len(out) >= limit:
+                    return out
+    if not out:
+        names = ", ".join(s.name for s in specs)
+        raise KilnError(f"annotations: the sources ({names}) hold no documents")
+    return out
+
+
+def _scored(
+    path: str, text_field: str, score_field: str, limit: int
+) -> Iterator[tuple[str, float]]:
+    with open(path, encoding="utf-8") as handle:
+        for n, line in enumerate(handle, 1):
+            if n > limit:
+                return
+            try:
+                record = json.loads(line)
+                text, score = record[text_field], float(record[score_field])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise KilnError(
+                    f"{path}:{n}: expected a JSON object with {text_field!r} and a numeric "
+                    f"{score_field!r} ({type(exc).__name__}: {exc})"
+                ) from None
+            yield str(text), score
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan when a side is constant."""
+    if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
+        return float("nan")
+    ra, rb = _average_ranks(a), _average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+
+
+def _average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, tied values sharing the mean of their ranks."""
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return ((ends - counts + 1 + ends) / 2.0)[inverse]
+
+
+def _train_on_annotations(cfg: ClassifierTrainConfig, base: Path) -> tuple[Any, dict[str, Any]]:
+    """The classifier trained on scores >= positive_score vs the rest, and its held-out report."""
+    scored = annotated_texts(cfg.annotations, base, cfg.score_field, cfg.max_documents)
+    texts = [t for t, _ in scored]
+    scores = np.array([s for _, s in scored])
+    held = np.array(
+        [
+            unit_interval(cfg.seed, "held_out", "annotations", i) < cfg.held_out
+            for i in range(len(texts))
+        ]
+    )
+    label = scores >= cfg.positive_score
+    pos = [t for t, h, y in zip(texts, held, label, strict=True) if not h and y]
+    neg = [t for t, h, y in zip(texts, held, label, strict=True) if not h and not y]
+    for name, docs in (("positive", pos), ("negative", neg)):
+        if not docs:
+            raise KilnError(
+                f"annotations: no {name} training document (score {'>=' if name == 'positive' else '<'} "
+                f"positive_score = {cfg.positive_score}); change positive_score"
+            )
+    model = train_linear(pos, neg, ngrams=cfg.ngrams, buckets=cfg.buckets, epochs=cfg.epochs,
+                         lr=cfg.lr, seed=cfg.seed)  # fmt: skip
+    test = [t for t, h in zip(texts, held, strict=True) if h]
+    predicted = np.array([model.score(t) for t in test])
+    truth, truth_scores = label[held], scores[held]
+    right = (predicted >= 0.5) == truth
+    report = {
+        "annotations": [s.name for s in cfg.annotations],
+        "positive_score": cfg.positive_score,
+        "positive_documents": len(pos),
+        "negative_documents": len(neg),
+        "held_out": {
+            "documents": len(test),
+            "accuracy": float(right.mean()) if test else float("nan"),
+            "positive_accuracy": float(right[truth].mean()) if truth.any() else float("nan"),
+            "negative_accuracy": float(right[~truth].mean()) if (~truth).any() else float("nan"),
+            "spearman": spearman(predicted, truth_scores),
+        },
+    }
+    return model, {**report, "_reference": predicted if test else None, "_train": pos + neg}
+
+
 def train_classifier(path: str | Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train the quality classifier a TOML names, write it, and return its training record."""
     cfg = cfgio.load(ClassifierTrainConfig, path, overrides)
     base = Path(path).resolve().parent
+    if cfg.annotations:
+        return _write_annotated(cfg, base)
     pos = source_texts(cfg.positive, base, "positive", cfg.max_documents)
     neg = source_texts(cfg.negative, base, "negative", cfg.max_documents)
     pos_train, pos_test = _split(pos, cfg.seed, "positive", cfg.held_out)
@@ -167,6 +277,29 @@ def train_classifier(path: str | Path, overrides: tuple[str, ...] = ()) -> dict[
             "buckets": cfg.buckets,
             "seed": cfg.seed,
         },
+        "quantile_documents": int(reference.size),
+        "negative_quantiles": np.quantile(reference, np.linspace(0, 1, QUANTILES)).tolist(),
+    }
+    out = _resolve(cfg.output, base)
+    model.save(out)
+    return {"output": out, **{k: v for k, v in model.info.items() if k != "negative_quantiles"}}
+
+
+def _settings(cfg: ClassifierTrainConfig) -> dict[str, Any]:
+    return {"epochs": cfg.epochs, "lr": cfg.lr, "ngrams": cfg.ngrams, "buckets": cfg.buckets,
+            "seed": cfg.seed}  # fmt: skip
+
+
+def _write_annotated(cfg: ClassifierTrainConfig, base: Path) -> dict[str, Any]:
+    model, report = _train_on_annotations(cfg, base)
+    reference, train = report.pop("_reference"), report.pop("_train")
+    # Annotated documents are pipeline input, so their held-out scores give the keep-fraction
+    # quantiles (the training ones would score too confidently).
+    if reference is None:
+        reference = np.array([model.score(t) for t in train])
+    model.info = {
+        **report,
+        "settings": _settings(cfg),
         "quantile_documents": int(reference.size),
         "negative_quantiles": np.quantile(reference, np.linspace(0, 1, QUANTILES)).tolist(),
     }

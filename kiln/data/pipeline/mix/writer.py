@@ -83,6 +83,7 @@ def write_dataset(
                         "copy": copy,
                         "history": d["history"],
                         "duplicates": d["duplicates"],
+                        **({"provenance": d["provenance"]} if "provenance" in d else {}),
                     }
                 )
                 name = names[int(docs.source[i])]

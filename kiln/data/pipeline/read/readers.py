@@ -11,7 +11,8 @@ Readers leave `Document.id` and `Document.source` empty (the runner names docume
 `id_field` is given. `meta` holds `file`, `ordinal`, and `line` (1-based, where the record's text
 starts) for the line-based formats; HTML and WARC records carry `content_type = "html"` so the
 Extract stage runs on them, and WARC records add `url` and `warc_record_id` (jsonl records
-with a string `url` field add it too).
+with a string `url` field add it too; records with an object `provenance` field, as
+`kiln data synth` writes them, add it, and the audit trail carries it).
 """
 
 from __future__ import annotations
@@ -369,6 +370,9 @@ def _make_document(
     url = record.get("url") if record is not None else None
     if isinstance(url, str) and url:
         meta["url"] = url  # as WARC records carry theirs, for the URL blocklist
+    provenance = record.get("provenance") if record is not None else None
+    if isinstance(provenance, dict):
+        meta["provenance"] = provenance  # a synthetic document's origin, for the audit trail
     return Document(doc_id, text, "", meta)
 
 
