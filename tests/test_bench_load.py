@@ -140,6 +140,7 @@ def _script(name: str):
 # under tmp_path ("T"), so the test sees that nothing was written before the refusal.
 SCRIPTS = {
     "arch": ["--cache", "T/c", "--out-dir", "T/o"],
+    "arch_length": ["--out-dir", "T/o"],
     "data": [],
     "data_cuts": [],
     "data_dedup": [],
@@ -148,6 +149,7 @@ SCRIPTS = {
     "data_scale": ["--tmp", "T"],
     "distill": ["T/o"],
     "invariance": ["--out", "T/i.json"],
+    "ladder": ["--cache", "T/c", "--out-dir", "T/o"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],
     "mfu": ["--smoke", "--cache", "T/c"],
