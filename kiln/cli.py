@@ -23,6 +23,7 @@ _COMMAND_MODULES: list[str] = [
     "kiln.loading.cli",
     "kiln.posttrain.cli",
     "kiln.eval.cli",
+    "kiln.eval.baselines.cli",
     "kiln.scaling.cli",
     "kiln.serve.cli",
     "kiln.demo",

@@ -140,6 +140,7 @@ def _script(name: str):
 # under tmp_path ("T"), so the test sees that nothing was written before the refusal.
 SCRIPTS = {
     "arch": ["--cache", "T/c", "--out-dir", "T/o"],
+    "arch_length": ["--out-dir", "T/o"],
     "data": [],
     "data_cuts": [],
     "data_dedup": [],
@@ -155,6 +156,7 @@ SCRIPTS = {
     "image": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
     "image_tokens": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
     "invariance": ["--out", "T/i.json"],
+    "ladder": ["--cache", "T/c", "--out-dir", "T/o"],
     "lowprec": ["--model", "T/m", "--out", "T/l.json"],
     "memory": ["T/dataset"],
     "mfu": ["--smoke", "--cache", "T/c"],

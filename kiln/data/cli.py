@@ -186,7 +186,8 @@ def _add_tokenize(commands: Any) -> None:
     add_tokenizer_option(
         p,
         default=None,
-        help_text="a kiln or HF tokenizer.json, or GPT-2's vocab.json (merges.txt beside it)",
+        help_text="a kiln or HF tokenizer.json, GPT-2's vocab.json (merges.txt beside it), or "
+        "'bytes': raw UTF-8 bytes, vocab 256 + end-of-text (saved into the dataset)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
     val = p.add_mutually_exclusive_group()

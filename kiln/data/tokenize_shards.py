@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +44,10 @@ from kiln.folders import abandoned_by
 from kiln.io import sha256_file
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.special import EOT
+from kiln.tokenizer.tokenizer import BYTES
 
 DEFAULT_EOT = EOT
+BYTE_TOKENIZER_FILE = "tokenizer.json"  # where a `bytes` dataset keeps its tokenizer
 SPLITS = ("train", "val")
 
 
@@ -181,9 +183,17 @@ def _load_tokenizer(config: TokenizeConfig) -> tuple[Tokenizer, TokenizerEntry]:
 
 
 def load_tokenizer_entry(path_text: str, eot_token: str) -> tuple[Tokenizer, TokenizerEntry]:
-    """Load a tokenizer file (kiln, HF or GPT-2 vocab.json) and its manifest entry."""
+    """Load a tokenizer file (kiln, HF or GPT-2 vocab.json) and its manifest entry.
+
+    `bytes` (BYTES) is the byte tokenizer; its entry's path and sha256 are those of the copy
+    `tokenize_to_shards` writes into the dataset (`with_byte_tokenizer`).
+    """
     from kiln.tokenizer.formats import read_any
 
+    if path_text == BYTES:
+        tok = Tokenizer.raw_bytes([eot_token])
+        entry = TokenizerEntry(BYTES, "", tok.n_vocab, eot_token, tok.special_tokens[eot_token])
+        return tok, entry
     path = Path(path_text)
     if not path.is_file():
         raise not_found(path, "tokenizer file")
@@ -202,6 +212,20 @@ def load_tokenizer_entry(path_text: str, eot_token: str) -> tuple[Tokenizer, Tok
         eot_id=eot_id,
     )
     return tok, entry
+
+
+def with_byte_tokenizer(
+    tok: Tokenizer, entry: TokenizerEntry, tmp: Path, out: Path
+) -> TokenizerEntry:
+    """Save the byte tokenizer into the dataset being built; the entry names its final place."""
+    if entry.path != BYTES:
+        return entry
+    tok.save(tmp / BYTE_TOKENIZER_FILE)
+    return replace(
+        entry,
+        path=os.path.abspath(out / BYTE_TOKENIZER_FILE),
+        sha256=sha256_file(tmp / BYTE_TOKENIZER_FILE),
+    )
 
 
 def _check_output(out: Path, force: bool) -> None:
@@ -315,8 +339,10 @@ def tokenize_to_shards(config: TokenizeConfig) -> Manifest:
     writers: dict[str, ShardWriter] = {}
     try:
         tallies = [_SourceTally() for _ in config.inputs]
+        tok_entry = with_byte_tokenizer(tok, tok_entry, tmp, out)
         writers = {s: ShardWriter(tmp, s, dtype, config.shard_tokens) for s in SPLITS}
-        _encode_all(config, tok, tok_entry.eot_id, dtype, val_index, tallies, writers, total)
+        tok_path = tmp / BYTE_TOKENIZER_FILE if config.tokenizer == BYTES else config.tokenizer
+        _encode_all(config, tok, tok_path, dtype, val_index, tallies, writers, total)
         manifest = Manifest(
             tokenizer=tok_entry,
             dtype=dtype_name(dtype),
@@ -360,7 +386,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 def _encode_all(
     config: TokenizeConfig,
     tok: Tokenizer,
-    eot_id: int,
+    tok_path: str | Path,
     dtype: np.dtype,
     val_index: np.ndarray,
     tallies: list[_SourceTally],
@@ -375,7 +401,8 @@ def _encode_all(
         total=total, unit="doc", desc="tokenize", disable=not config.progress, dynamic_ncols=True
     )
     started, n_tokens = time.perf_counter(), 0
-    tokenizer_path = os.path.abspath(config.tokenizer)
+    tokenizer_path = os.path.abspath(tok_path)
+    eot_id = tok.special_tokens[config.eot_token]
 
     def write(batch: _Batch, flat: np.ndarray, lengths: np.ndarray) -> None:
         nonlocal n_tokens

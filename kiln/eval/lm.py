@@ -130,6 +130,34 @@ def bits_per_byte(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TokenStream:
+    """A text file read as the speedrun scores it: one stream of ids, and the file's bytes."""
+
+    ids: list[int]  # [eot] + (doc_1 + [eot]) + (doc_2 + [eot]) + ...
+    n_bytes: int  # every byte of the (decompressed) file
+    n_documents: int
+
+
+def encode_stream(tok: TextEncoder, path: str | os.PathLike[str], eot_id: int) -> TokenStream:
+    """The stream `stream_bits_per_byte` scores: each document as training's shards hold it
+    (kiln.data.documents: split on separator lines, stripped), each followed by end-of-text, after
+    a leading end-of-text. Count-based models (kiln/eval/baselines) score the same stream."""
+    from kiln.data.documents import iter_documents
+    from kiln.tokenizer.special import EOT
+
+    with open_binary(path) as handle:
+        n_bytes = len(handle.read())
+    ids, n_docs = [eot_id], 0
+    for doc in iter_documents(os.fspath(path), EOT):
+        ids += tok.encode_ordinary(doc)
+        ids.append(eot_id)
+        n_docs += 1
+    if n_docs == 0:
+        raise KilnError(f"{path}: no text to score")
+    return TokenStream(ids, n_bytes, n_docs)
+
+
 def stream_bits_per_byte(
     scorer: Scorer,
     tok: TextEncoder,
@@ -139,29 +167,17 @@ def stream_bits_per_byte(
 ) -> LossResult:
     """Bits-per-byte of a file of end-of-text-separated documents, scored as one token stream.
 
-    The stream is [eot] + (doc_1 + [eot]) + (doc_2 + [eot]) + ..., each document as training's
-    shards hold it (kiln.data.documents: split on separator lines, stripped). Every token after
-    the leading end-of-text is scored once, in windows of at most the block size (disjoint with
-    the default stride). The bytes are every byte of the (decompressed) file: those of the
-    separator lines and the whitespace around them count toward the end-of-text token that
-    stands for them.
+    The stream is `encode_stream`'s. Every token after the leading end-of-text is scored once,
+    in windows of at most the block size (disjoint with the default stride). The bytes are every
+    byte of the (decompressed) file: those of the separator lines and the whitespace around them
+    count toward the end-of-text token that stands for them.
     """
-    from kiln.data.documents import iter_documents
-    from kiln.tokenizer.special import EOT
-
     started = time.perf_counter()
-    with open_binary(path) as handle:
-        n_bytes = len(handle.read())
-    stream, n_docs = [eot_id], 0
-    for doc in iter_documents(os.fspath(path), EOT):
-        stream += tok.encode_ordinary(doc)
-        stream.append(eot_id)
-        n_docs += 1
-    if n_docs == 0:
-        raise KilnError(f"{path}: no text to score")
+    stream = encode_stream(tok, path, eot_id)
     stride = stride or scorer.block_size
-    (scored,) = scorer.score_documents([stream], stride, desc=f"bpb {Path(path).name}")
+    (scored,) = scorer.score_documents([stream.ids], stride, desc=f"bpb {Path(path).name}")
     return LossResult(
-        source=os.fspath(path), nats=-scored.logprob, n_tokens=scored.n_tokens, n_bytes=n_bytes,
-        n_documents=n_docs, stride=stride, seconds=time.perf_counter() - started,
+        source=os.fspath(path), nats=-scored.logprob, n_tokens=scored.n_tokens,
+        n_bytes=stream.n_bytes, n_documents=stream.n_documents, stride=stride,
+        seconds=time.perf_counter() - started,
     )  # fmt: skip

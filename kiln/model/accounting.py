@@ -350,8 +350,13 @@ def _norm_bytes(cfg: ModelConfig, precision: str) -> int:
     return cfg.n_embd * (2 if precision == "bf16" else 4) + 2 * 4  # input, mean and rstd
 
 
-def layer_activation_bytes(cfg: ModelConfig, precision: str = "amp-bf16") -> int:
+def layer_activation_bytes(
+    cfg: ModelConfig, precision: str = "amp-bf16", layer: int | None = None
+) -> int:
     """Bytes one block saves for backward, per token, with a fused attention kernel, no dropout.
+
+    An attention block unless `layer` names a Mamba-2 / Gated DeltaNet layer: then the mixer's
+    part is `recurrent_activation_bytes` instead (the norms and the MLP stay).
 
     Counted from what autograd keeps in kiln's block (the test measures it with saved-tensor
     hooks): the two norms (see `_norm_bytes`); the qkv and MLP inputs, d each; the qkv output,
@@ -365,12 +370,37 @@ def layer_activation_bytes(cfg: ModelConfig, precision: str = "amp-bf16") -> int
     """
     act = 4 if precision == "fp32" else 2
     d, ff, n_head = cfg.n_embd, cfg.ff_size, cfg.n_head
+    if layer is not None and cfg.layer_mixer(layer) != "attention":
+        mlp = (d + (4 * ff if cfg.gated else ff if cfg.mlp == "relu" else 2 * ff)) * act
+        norms = cfg.norms_per_block * _norm_bytes(cfg, precision)
+        return norms + (mlp if cfg.has_mlp else 0) + recurrent_activation_bytes(cfg, layer)
     q_out, kv_out = n_head * cfg.head_size, cfg.kv_heads * cfg.head_size
     elements = 2 * d + (q_out + 2 * kv_out) + q_out
     elements += q_out + kv_out if cfg.pos_emb == "rope" else 0
     # gated: gate, up, act(gate), product; ReLU's output is also proj's input; else input + output
     elements += 4 * ff if cfg.gated else ff if cfg.mlp == "relu" else 2 * ff
     return 2 * _norm_bytes(cfg, precision) + elements * act + 4 * n_head + _qk_norm_bytes(cfg)
+
+
+def recurrent_activation_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes a Mamba-2 or Gated DeltaNet mixer saves for backward, per token (fp32: the chunked
+    forms of kiln/model/ssm.py upcast, and the projections are counted at fp32 too).
+
+    Besides widths per token (projections, conv, gates) the chunked form keeps, per chunk of L
+    tokens, L×L decay and score matrices per head (so ∝ H·L per token) and the state entering
+    the chunk (H·P·N for Mamba-2, H·Dk·Dv for DeltaNet, so ∝ 1/L per token). The coefficients
+    are fitted to what autograd saves (saved-tensor hooks over widths, chunk and state sizes)
+    and rounded; tests/train/test_preflight.py checks the estimate within 5% of a measurement.
+    """
+    s, d, L = cfg.ssm, cfg.n_embd, cfg.ssm.chunk_size
+    if cfg.layer_mixer(layer) == "mamba2":
+        H, P, N, G = cfg.mamba_heads, s.head_dim, s.state_size, s.n_groups
+        elements = 4 * d + 8 * cfg.mamba_inner + 8 * G * N + 10 * H + 4 * H * L + 4 * H * N
+        elements += H * P * N / L
+    else:
+        H, D = cfg.delta_heads, cfg.delta_head_dim
+        elements = d + 27 * H * D + 17 * H + 6 * H * L + H * D * D / L
+    return int(4 * elements)
 
 
 def _qk_norm_bytes(cfg: ModelConfig) -> int:
@@ -405,9 +435,9 @@ def activation_bytes(
     and under autocast the bf16 copies of the block weights and of the RoPE tables.
     """
     tokens = micro_batch * seq_len
-    per_layer = layer_activation_bytes(cfg, precision)
+    per_layer = [layer_activation_bytes(cfg, precision, i) for i in range(cfg.n_layer)]
     # Checkpointing keeps each block's fp32 input, and one block's tensors while recomputing it.
-    kept = cfg.n_layer * cfg.n_embd * 4 + per_layer if checkpointing else cfg.n_layer * per_layer
+    kept = cfg.n_layer * cfg.n_embd * 4 + max(per_layer) if checkpointing else sum(per_layer)
     outside = 8 + _norm_bytes(cfg, precision) + 4 * cfg.n_embd
     fixed = 4 * cfg.padded_vocab_size * cfg.n_embd
     fixed += 8 * seq_len if cfg.pos_emb == "learned" else 0  # position ids, shared by the batch

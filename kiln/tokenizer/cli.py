@@ -13,6 +13,7 @@ from kiln.commands import add_command_group, add_subcommand, add_tokenizer_optio
 from kiln.errors import KilnError
 from kiln.io import check_can_write, open_binary
 from kiln.tokenizer.special import CHAT_TOKENS, EOT
+from kiln.tokenizer.tokenizer import BYTES, Tokenizer
 
 DEFAULT_SPECIAL = EOT
 
@@ -57,7 +58,7 @@ def register(sub: Any) -> None:
 
 # ------------------------------------------------------------------------------------ loading
 def load_tokenizer(spec: str) -> Any:
-    """A tokenizer from `--tokenizer`: a kiln or HF tokenizer.json, or `gpt2:VOCAB:MERGES`."""
+    """A tokenizer from `--tokenizer`: a kiln or HF tokenizer.json, `gpt2:VOCAB:MERGES`, `bytes`."""
     from kiln.tokenizer.formats import read_any, read_gpt2
 
     if spec.startswith("gpt2:"):
@@ -65,6 +66,8 @@ def load_tokenizer(spec: str) -> Any:
         if len(parts) != 3 or not all(parts[1:]):
             raise KilnError(f"--tokenizer {spec!r}: expected gpt2:VOCAB_JSON:MERGES_TXT")
         return read_gpt2(parts[1], parts[2])
+    if spec == BYTES:
+        return Tokenizer.raw_bytes()
     if spec == "gpt2":
         raise KilnError("--tokenizer gpt2: give GPT-2's files as gpt2:VOCAB_JSON:MERGES_TXT")
     return read_any(spec)

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 Backend = Literal["auto", "native", "reference"]
 AllowedSpecial = Literal["all"] | Collection[str]
 
+# The name that stands for the byte tokenizer wherever a tokenizer file is asked for (the
+# `tokenize.tokenizer` TOML field, `kiln data tokenize --tokenizer`): vocab 256 + specials, no BPE.
+BYTES = "bytes"
+
 # encode_iterable buffers about this much text before it looks for a safe place to cut.
 _ITERABLE_BUFFER_CHARS = 1 << 16
 
@@ -154,6 +158,16 @@ class Tokenizer:
         from kiln.tokenizer.formats.gpt2 import parse_gpt2
 
         return cls.from_parts(parse_gpt2(vocab_json_path, merges_txt_path, special_tokens))
+
+    @classmethod
+    def raw_bytes(cls, special_tokens: Sequence[str] = (EOT,)) -> Tokenizer:
+        """The byte tokenizer: id b is byte b (0..255), the specials after them, no merges.
+
+        A model over raw UTF-8 bytes; with no merges the pattern only cuts text where nothing
+        would be merged anyway, so every byte becomes its own token.
+        """
+        vocab = {b: bytes([b]) for b in range(256)}
+        return cls(vocab, [], list(special_tokens), metadata={"kind": BYTES})
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:

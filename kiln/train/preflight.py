@@ -11,6 +11,9 @@ Built on accounting.py's whole-model figures, divided as the [parallel] mesh div
   keeps only its input under activation checkpointing, one block is recomputed at a time),
   divided by tp, times the micro-batches in flight (1 without pipelining, all with GPipe, up to
   the number of stages with 1F1B), plus the loss's (whole logits on a pipeline's last stage).
+  Mamba-2 and Gated DeltaNet layers count their own saved tensors (the chunked form's L×L
+  matrices and the state entering each chunk, `accounting.recurrent_activation_bytes`), not an
+  attention block's.
 
 It is an estimate: allocator fragmentation, communication buffers and the CUDA context are not
 counted (a margin is kept); bench/RESULTS.md compares it with measured peaks.
@@ -102,17 +105,20 @@ def rank_memory(
         gathered = int((2 * w + g) * per_block / tp + w * outside)
     T = cfg.data.seq_len
     tokens = micro_batch * T
-    per_layer = layer_activation_bytes(model, precision) * tokens
+    layers = [layer_activation_bytes(model, precision, i) * tokens for i in range(model.n_layer)]
+    # A stage's blocks: the heaviest run of consecutive layers (hybrids mix mixer kinds)
+    stage = max(sum(layers[i : i + blocks_here]) for i in range(0, model.n_layer, blocks_here))
+    per_layer = max(layers)  # the block recomputed at a time under checkpointing
     whole = activation_bytes(model, micro_batch, T, precision)
-    beyond_blocks = whole - model.n_layer * per_layer  # embeddings, loss, weight copies
+    beyond_blocks = whole - sum(layers)  # embeddings, loss, weight copies
     par = cfg.parallel
     kept = 0
     if par.activation_checkpointing == "full":
         recomputed = len(range(0, blocks_here, par.ac_every))
         kept = recomputed * tokens * model.n_embd * 4 + (per_layer if recomputed else 0)
-        kept += (blocks_here - recomputed) * per_layer
+        kept += (blocks_here - recomputed) * stage / blocks_here
     else:
-        kept = blocks_here * per_layer
+        kept = stage
     n = in_flight(par.pp_schedule, pp, microbatches)
     activations = n * kept / tp + beyond_blocks
     if pp > 1:  # the last stage's loss holds the logits and their gradient, fp32

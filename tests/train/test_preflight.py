@@ -92,3 +92,26 @@ def test_every_trainer_checks_memory_before_it_allocates_the_model(
         trainer_module.Trainer(cfg, cfg.logging.run_dir)
     assert built == []
     assert not (Path(cfg.logging.run_dir) / "config.toml").exists()
+
+
+@pytest.mark.parametrize("pattern", ["M", "D", "DDDA"])
+def test_recurrent_layers_count_their_own_activations(pattern: str) -> None:
+    # Measured with saved-tensor hooks, at sizes and chunk lengths the coefficients were not
+    # fitted at; an attention block's count (what the pre-flight used before) is far off.
+    from kiln.model.accounting import activation_bytes
+    from tests.model.test_accounting import saved_activation_bytes
+
+    ssm = {"chunk_size": 32, "head_dim": 16, "state_size": 32}
+    cfg = ModelConfig.preset("tiny", layer_pattern=pattern, n_layer=4, n_embd=96, n_head=4, ssm=ssm)
+    attention = ModelConfig.preset("tiny", n_layer=4, n_embd=96, n_head=4)
+    for B, T in ((1, 128), (2, 96)):
+        measured = saved_activation_bytes(cfg, B, T, amp=False)
+        assert activation_bytes(cfg, B, T, "fp32") == pytest.approx(measured, rel=0.1)
+        assert activation_bytes(attention, B, T, "fp32") < 0.75 * measured
+    train = _cfg("data.seq_len=128")
+    mixed = rank_memory(cfg, train, _shape(), "fp32", 4)
+    assert mixed.activations == pytest.approx(activation_bytes(cfg, 4, 128, "fp32"), rel=1e-9)
+    assert mixed.activations > rank_memory(attention, train, _shape(), "fp32", 4).activations
+    ac = rank_memory(cfg, _cfg("data.seq_len=128", "parallel.activation_checkpointing=full"),
+                     _shape(), "fp32", 4)  # fmt: skip
+    assert ac.activations < mixed.activations

@@ -32,6 +32,7 @@ from kiln.data.pipeline.read.extract import ExtractConfig
 from kiln.data.pipeline.read.readers import detect_format
 from kiln.errors import KilnError
 from kiln.tokenizer.special import EOT
+from kiln.tokenizer.tokenizer import BYTES
 
 FORMATS = ("auto", "txt", "jsonl", "parquet", "html", "warc")
 
@@ -102,7 +103,7 @@ class SplitConfig:
 class TokenizeStageConfig:
     """The tokenizer and the shard layout of the output dataset."""
 
-    tokenizer: str = ""  # a kiln tokenizer.json (or HF tokenizer.json / GPT-2 vocab directory)
+    tokenizer: str = ""  # a kiln or HF tokenizer.json, GPT-2 vocab directory, or "bytes" (BYTES)
     eot_token: str = EOT
     shard_tokens: int = 100_000_000
 
@@ -174,7 +175,8 @@ def load_pipeline_config(path: str | Path, overrides: tuple[str, ...] = ()) -> P
             raise KilnError(f"{path}: decontaminate.eval_files: {pattern} matches no file")
         eval_files.extend(hits)
     decontam = replace(cfg.decontaminate, eval_files=tuple(eval_files))
-    tokenize = replace(cfg.tokenize, tokenizer=_resolve(cfg.tokenize.tokenizer, base))
+    tok = cfg.tokenize.tokenizer
+    tokenize = replace(cfg.tokenize, tokenizer=tok if tok == BYTES else _resolve(tok, base))
     c4 = cfg.quality.c4
     if c4.bad_words_file:
         c4 = replace(c4, bad_words_file=_resolve(c4.bad_words_file, base))

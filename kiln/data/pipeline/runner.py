@@ -428,7 +428,7 @@ def run_pipeline(cfg: PipelineConfig, opts: RunOptions) -> Manifest:
         "warnings": warnings,
         "models": model_summaries(cfg),
     }
-    manifest = write_dataset(cfg, partial, work, docs, copies, stats, opts.progress)
+    manifest = write_dataset(cfg, partial, work, docs, copies, stats, opts.progress, out)
     _install(partial, out)
     return manifest
 

@@ -26,7 +26,7 @@ from kiln.data.pipeline.mix.survivors import DocRecords, Survivors, output_order
 from kiln.data.pipeline.records import write_records
 from kiln.data.shard_format import dtype_for_vocab, dtype_name, shard_stem
 from kiln.data.shard_writer import ShardWriter
-from kiln.data.tokenize_shards import load_tokenizer_entry
+from kiln.data.tokenize_shards import load_tokenizer_entry, with_byte_tokenizer
 from kiln.io import write_json_atomic
 
 TOKEN_BINS = [2.0**k for k in range(0, 21)]  # document length in tokens, powers of two
@@ -41,13 +41,15 @@ def write_dataset(
     copies: np.ndarray,
     stats: dict[str, Any],
     progress: bool = True,
+    final: Path | None = None,
 ) -> Manifest:
-    """Write shards, document maps, stats and manifest of the run into `out`.
+    """Write shards, document maps, stats and manifest of the run into `out` (moved to `final`).
 
     Memory: the survivors' arrays and the output order (~20 bytes per copy), one shard's
     document map at a time; records and tokens are read from the tokenize tasks' files.
     """
-    _, entry = load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+    tok, entry = load_tokenizer_entry(cfg.tokenize.tokenizer, cfg.tokenize.eot_token)
+    entry = with_byte_tokenizer(tok, entry, out, final or out)
     dtype = dtype_for_vocab(entry.vocab_size)
     names = [s.name for s in cfg.sources]
     tokens = {

@@ -1,0 +1,1 @@
+"""The ladder below the Transformer: count bigram, Kneser–Ney n-gram, learned bigram, n-gram MLP."""
