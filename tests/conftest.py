@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.fixtures import EOT, kiln_test_threads, live_process, require_shared
+from tests.fixtures import EOT, import_kernels, kiln_test_threads, live_process, require_shared
 
 if TYPE_CHECKING:
     from kiln.tokenizer import Tokenizer
+
+import_kernels()  # before any test module is collected (see tests/kernels/conftest.py)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 ASSETS = Path(__file__).resolve().parents[1] / "kiln" / "assets"

@@ -97,3 +97,36 @@ def live_process() -> Iterator[int]:
     finally:
         child.kill()
         child.wait()
+
+
+KERNELS_MODULE = "kiln.kernels.attention_kernels"
+
+
+def import_kernels() -> None:
+    """Import kiln's Triton kernels, interpreted unless CUDA is present or the user chose.
+
+    Triton decides interpreted-or-compiled when a kernel is decorated (its own library functions
+    too, when triton is first imported), so TRITON_INTERPRET is set around the first import of
+    triton and the kernel module, then removed: the rest of the pytest process (subprocesses too)
+    never sees it in the environment. Triton's in-process knob stays on, so its lazily imported
+    parts agree; that matters only to code that runs Triton kernels, without CUDA kiln.kernels.
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None or KERNELS_MODULE in sys.modules:
+        return
+    if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
+        importlib.import_module(KERNELS_MODULE)
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        importlib.import_module(KERNELS_MODULE)
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    triton.knobs.runtime.interpret = True

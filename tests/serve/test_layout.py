@@ -9,8 +9,9 @@ import kiln
 
 SERVE = Path(kiln.__file__).parent / "serve"
 # What kiln.serve.http may import from kiln: the engine's public package (not its modules), the
-# chat renderer, the tokenizer's user-text policy and the shared basics.
-HTTP_MAY_IMPORT = {"kiln.errors", "kiln.config", "kiln.serve.engine"}
+# chat renderer, the tokenizer's user-text policy, the shared basics, and the image side's
+# story-to-caption text rule (the image model itself is handed in loaded, like the engine).
+HTTP_MAY_IMPORT = {"kiln.errors", "kiln.config", "kiln.serve.engine", "kiln.image.story_scene"}
 HTTP_MAY_IMPORT_UNDER = ("kiln.serve.http.", "kiln.tokenizer.", "kiln.chat.")
 
 
