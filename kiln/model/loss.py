@@ -160,17 +160,22 @@ def topk_distill_loss(
     kind: str = "forward_kl",
     temperature: float = 1.0,
 ) -> Tensor:
-    """`distill_loss` over the teacher's top-k, renormalised: both sides softmaxed on those ids.
+    """`distill_loss` against the teacher's top-k, renormalised, with the student's full softmax.
 
     student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_topk (..., K)
-    its logits there. The tail beyond K is dropped (no bucket), so K = V gives `distill_loss`.
+    its logits there. The teacher's distribution is its top-k renormalised (its tail's mass goes
+    to the top-k in proportion); the student's log-probabilities are over the whole vocabulary,
+    read at those ids, so the loss also pulls the student's mass into the top-k: renormalising the
+    student too would leave its mass outside the K ids free, and a student trained so ranks the
+    top-k right but gives them little probability. K = V gives `distill_loss`. Reverse KL over
+    a top-k would ignore the student's mass outside it; `kiln distill` refuses that pairing.
     """
     if kind not in ("forward_kl", "reverse_kl"):
         raise ValueError(f"distill loss kind must be forward_kl or reverse_kl, got {kind!r}")
     keep = targets.reshape(-1) >= 0  # (N,)
     V, K = student.size(-1), ids.size(-1)
-    picked = student.reshape(-1, V)[keep].float().gather(1, ids.reshape(-1, K)[keep])  # (n, K)
-    s = torch.log_softmax(picked / temperature, dim=-1)
+    full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)
+    s = full.gather(1, ids.reshape(-1, K)[keep])  # (n, K): log p_student over all V, at the ids
     t = torch.log_softmax(teacher_topk.reshape(-1, K)[keep].float() / temperature, dim=-1)
     p, q = (t, s) if kind == "forward_kl" else (s, t)
     kl = (p.exp() * (p - q)).sum(-1)  # (n,)

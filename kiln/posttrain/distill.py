@@ -13,7 +13,7 @@ with `distill.student`, from another model folder's weights and config: pruning'
 (Minitron: prune, then distill from the unpruned model).
 
 Teacher cost: `distill.topk = K` reads the teacher's top-k logits from shards computed once
-beside the token shards (distill_topk.py; the KL over the top-k renormalised) instead of
+beside the token shards (distill_topk.py; the KL from the teacher's renormalised top-k) instead of
 running the teacher every micro-step. `distill.on_policy = λ` makes a fraction λ of the
 micro-batches on-policy (GKD: the student samples, the teacher scores; distill_gkd.py).
 
@@ -78,6 +78,12 @@ class DistillSection:
         require(self.kl_weight >= 0, f"distill.kl_weight must be >= 0, got {self.kl_weight}")
         require(self.ce_weight >= 0, f"distill.ce_weight must be >= 0, got {self.ce_weight}")
         require(self.topk >= 0, f"distill.topk must be >= 0 (0: the online teacher): {self.topk}")
+        require(
+            self.topk == 0 or self.loss == "forward_kl",
+            f"distill.topk = {self.topk} needs distill.loss = forward_kl: reverse KL needs the "
+            "teacher's probability of every token the student gives mass to, and the shards "
+            "hold only the top-k",
+        )
         require(0 <= self.on_policy <= 1, f"distill.on_policy must be in [0, 1]: {self.on_policy}")
         require(self.gen_tokens >= 0, f"distill.gen_tokens must be >= 0: {self.gen_tokens}")
         require(self.gen_temperature >= 0, "distill.gen_temperature must be >= 0")
@@ -372,7 +378,7 @@ def build_trainer(
     if s.ce_weight:
         mix += f" + {s.ce_weight:g}·CE"
     if s.topk:
-        mix += f", teacher top-{s.topk} from {s.topk_dir} (renormalised)"
+        mix += f", teacher top-{s.topk} from {s.topk_dir} (renormalised teacher, full student)"
     if s.on_policy:
         mix += f", on-policy fraction {s.on_policy:g} (GKD)"
     trainer.say(f"kiln distill: teacher {s.teacher} ({n_teacher:,} parameters), student "

@@ -25,14 +25,15 @@ from tests.posttrain.test_distill import CONFIG, _config, dataset, teacher  # no
 K = 8
 
 
-def test_topk_loss_is_the_kl_of_the_renormalised_topk_by_hand() -> None:
+def test_topk_loss_is_the_kl_from_the_renormalised_topk_to_the_full_student_by_hand() -> None:
     student = torch.tensor([[[1.0, -0.5, 2.0, 0.3]]])  # (1, 1, 4)
     teacher_all = torch.tensor([[[0.2, 1.5, -0.7, 1.0]]])
     ids = torch.tensor([[[1, 3]]])  # the teacher's top-2
     tau = 2.0
     t = [math.exp(1.5 / tau), math.exp(1.0 / tau)]
-    s = [math.exp(-0.5 / tau), math.exp(0.3 / tau)]
-    p, q = [v / sum(t) for v in t], [v / sum(s) for v in s]
+    everything = sum(math.exp(v / tau) for v in (1.0, -0.5, 2.0, 0.3))  # the student's whole vocab
+    p = [v / sum(t) for v in t]
+    q = [math.exp(-0.5 / tau) / everything, math.exp(0.3 / tau) / everything]
     want = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True)) * tau**2
     got = topk_distill_loss(student, ids, teacher_all.gather(-1, ids), torch.tensor([[0]]),
                             "forward_kl", tau)  # fmt: skip
@@ -128,3 +129,11 @@ def test_resume_from_topk_shards_is_bit_exact(teacher: Path, dataset: Path, tmp_
     second = build_trainer(cfg, cut_run, resume=True).run()
     assert first.step == 2 and second.step == 6
     assert first.losses + second.losses == uninterrupted.losses
+
+
+def test_reverse_kl_from_topk_shards_is_refused_in_one_line() -> None:
+    from kiln.config import ConfigError
+    from kiln.posttrain.distill import DistillSection
+
+    with pytest.raises(ConfigError, match=r"distill.topk = 8 needs distill.loss = forward_kl"):
+        DistillSection(teacher="runs/t", topk=8, loss="reverse_kl")
