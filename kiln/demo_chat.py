@@ -65,6 +65,8 @@ def run_chat_demo(args: argparse.Namespace, run: Runner = kiln_command) -> int:
     out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-chat-%Y%m%d-%H%M%S")
     if args.steps is not None:
         raise KilnError("--steps is the plain demo's; with --chat give --pretrain-steps N")
+    if args.resume and not args.out:
+        raise KilnError("--resume needs --out FOLDER: the `kiln demo --chat` run to continue")
     if args.minutes is None:
         args.minutes = TOTAL_MINUTES
     check_plan(args)

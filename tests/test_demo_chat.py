@@ -109,3 +109,8 @@ def test_resume_needs_the_same_flags(tmp_path, bpb_text) -> None:
 def test_resume_of_a_folder_that_is_not_a_chat_demo_is_refused(tmp_path, bpb_text) -> None:
     with pytest.raises(KilnError, match="not a `kiln demo --chat` run"):
         run_chat_demo(_args(tmp_path, bpb_text, "--resume"))
+
+
+def test_resume_without_out_says_which_flag_is_missing(capsys) -> None:
+    assert main(["demo", "--chat", "--resume"]) == 2
+    assert "--resume needs --out FOLDER" in capsys.readouterr().err
