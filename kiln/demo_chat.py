@@ -230,10 +230,12 @@ def _align(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> 
 
 def _resume_flag(run_dir: Path, resuming: bool) -> list[str]:
     """["--resume"] when a killed stage left a checkpoint; else start it over in a clean folder."""
-    from kiln.checkpoint_format import latest_checkpoint
+    from kiln.checkpoint_format import resume_checkpoint
     from kiln.folders import remove_dir
 
-    if resuming and latest_checkpoint(run_dir / "checkpoints") is not None:
+    # resume_checkpoint, not latest_checkpoint: a kill between a first save's rename and its
+    # `latest` write leaves a complete step_N that must be resumed, not deleted.
+    if resuming and resume_checkpoint(run_dir / "checkpoints") is not None:
         return ["--resume"]
     if run_dir.exists():  # the demo's own folder, from a stage killed before its first checkpoint
         remove_dir(run_dir)

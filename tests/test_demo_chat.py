@@ -114,3 +114,23 @@ def test_resume_of_a_folder_that_is_not_a_chat_demo_is_refused(tmp_path, bpb_tex
 def test_resume_without_out_says_which_flag_is_missing(capsys) -> None:
     assert main(["demo", "--chat", "--resume"]) == 2
     assert "--resume needs --out FOLDER" in capsys.readouterr().err
+
+
+def test_a_killed_training_stage_resumes_from_its_checkpoint_or_starts_clean(tmp_path) -> None:
+    from kiln.checkpoint_format import FILES
+    from kiln.demo_chat import _resume_flag
+
+    run = tmp_path / "sft"
+    step = run / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    for name in FILES:
+        (step / name).write_text("x")
+    (run / "checkpoints" / "latest").write_text("step_3")
+    assert _resume_flag(run, resuming=True) == ["--resume"]
+    (run / "checkpoints" / "latest").unlink()  # killed between the save's rename and `latest`
+    assert _resume_flag(run, resuming=True) == ["--resume"]
+    assert run.is_dir()
+    for name in FILES:  # killed before its first checkpoint was complete
+        (step / name).unlink()
+    assert _resume_flag(run, resuming=True) == []
+    assert not run.exists()  # the demo's own half-made folder is cleared for a fresh start
