@@ -11,7 +11,6 @@ eval splits (held-out compositions included) is what says whether its scores mea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,43 +18,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln import config as cfgio
-from kiln.config import require
 from kiln.errors import KilnError
 from kiln.image.checker import Checker, CheckerConfig, checker_loss, predict, score, targets
-from kiln.image.dataset import ImageDataset
 from kiln.image.vqvae import to_unit
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun
+from kiln.train.image_loop import (
+    CheckpointSection,
+    ImageDataSection,
+    ImageRun,
+    ImageTrainConfig,
+    ImageTrainSection,
+    open_images,
+)
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
 
 
 @dataclass
-class CheckerTrainSection:
-    """Length, batch, evaluation and logging cadence, device, seed."""
+class CheckerTrainSection(ImageTrainSection):
+    """The shared [train] fields, the flips, and the extra splits learnt from."""
 
     max_steps: int = 1500
-    batch_size: int = 64
-    grad_clip: float = 1.0
-    eval_every: int = 250
-    eval_images: int = 500
-    log_every: int = 25
     flip: bool = True  # mirror a random half of each batch (left of <-> right of)
     # More splits to learn from beside data.train_split, e.g. ["heldout"] of a dataset drawn
     # with another seed: a checker that never saw a yellow car cannot say a car is yellow.
     extra_splits: tuple[str, ...] = ()
-    device: str = "cpu"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_every", "eval_images", "log_every"):
-            require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass
-class CheckerTrainConfig:
+class CheckerTrainConfig(ImageTrainConfig):
     """A `kiln image train-checker` TOML file."""
 
     data: ImageDataSection
@@ -65,15 +56,6 @@ class CheckerTrainConfig:
     train: CheckerTrainSection = field(default_factory=CheckerTrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run_dir: str = "runs/checker"
-
-    @classmethod
-    def load(cls, path: str | Path | None, overrides: Sequence[str] = ()) -> CheckerTrainConfig:
-        """Read the TOML file, apply --set overrides, check it."""
-        return cfgio.load(cls, path, overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (what config.toml and state.json hold)."""
-        return cfgio.to_dict(self)
 
 
 def _flip_records(truth: dict[str, torch.Tensor], flip: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -90,12 +72,7 @@ class CheckerRun(ImageRun):
     command = "kiln image train-checker"
 
     def __init__(self, cfg: CheckerTrainConfig, resume: bool = False) -> None:
-        self.data = ImageDataset.open(cfg.data.dataset)
-        if self.data.size != cfg.model.image_size:
-            raise KilnError(
-                f"model.image_size = {cfg.model.image_size}, but {cfg.data.dataset} holds "
-                f"{self.data.size}×{self.data.size} pictures"
-            )
+        self.data = open_images(cfg.data.dataset, cfg.model.image_size, "model.image_size")
         splits = [cfg.data.train_split, *cfg.train.extra_splits]
         records = [r for split in splits for r in self.data.records(split)]
         if not records or "objects" not in records[0]:

@@ -9,7 +9,6 @@ noise and the caption dropout from torch's RNG, whose state every checkpoint kee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,32 +27,27 @@ from kiln.image.dit import DiTConfig, TextToImage
 from kiln.image.schedules import DiffusionConfig, Schedule
 from kiln.image.vqvae import VQVAEConfig, to_unit
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun
+from kiln.train.image_loop import (
+    CheckpointSection,
+    ImageDataSection,
+    ImageRun,
+    ImageTrainConfig,
+    ImageTrainSection,
+)
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
 
 
 @dataclass
-class DiTTrainSection:
-    """Length, batch, evaluation and logging cadence, device, seed."""
+class DiTTrainSection(ImageTrainSection):
+    """The shared [train] fields, with the DiT's defaults."""
 
     max_steps: int = 3000
-    batch_size: int = 64
-    grad_clip: float = 1.0  # 0 turns clipping off
-    eval_every: int = 250
     eval_images: int = 256  # of the first eval split: the validation loss's pictures
-    log_every: int = 25
-    device: str = "cpu"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_every", "eval_images", "log_every"):
-            require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass
-class DiTTrainConfig:
+class DiTTrainConfig(ImageTrainConfig):
     """A `kiln image train-dit` TOML file."""
 
     data: ImageDataSection
@@ -68,15 +62,6 @@ class DiTTrainConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.vqvae), "vqvae: give the VQ-VAE run folder the DiT draws through")
-
-    @classmethod
-    def load(cls, path: str | Path | None, overrides: Sequence[str] = ()) -> DiTTrainConfig:
-        """Read the TOML file, apply --set overrides, check it."""
-        return cfgio.load(cls, path, overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (what config.toml and state.json hold)."""
-        return cfgio.to_dict(self)
 
 
 def load_vqvae(run: str | Path) -> tuple[VQVAEConfig, dict[str, torch.Tensor], Path]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from kiln import config as cfgio
 from kiln.config import require
 from kiln.errors import KilnError
 from kiln.folders import lock_folder
+from kiln.image.dataset import ImageDataset
 from kiln.io import atomic_write, write_json_atomic
 from kiln.train import checkpoint as ckpt
 from kiln.train.metrics import MetricsLog
@@ -50,6 +52,48 @@ class CheckpointSection:
     def __post_init__(self) -> None:
         require(self.every >= 1, f"checkpoint.every must be >= 1, got {self.every}")
         require(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class ImageTrainSection:
+    """Length, batch, evaluation and logging cadence, device, seed (each image run's [train])."""
+
+    max_steps: int = 2000
+    batch_size: int = 64
+    grad_clip: float = 1.0  # 0 turns clipping off
+    eval_every: int = 250
+    eval_images: int = 500  # per eval split (the first N, so every eval sees the same)
+    log_every: int = 25
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "eval_every", "eval_images", "log_every"):
+            require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
+        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+class ImageTrainConfig:
+    """What every image run's TOML dataclass shares: loading with overrides, plain data."""
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: Sequence[str] = ()) -> Self:
+        """Read the TOML file, apply --set overrides, check it."""
+        return cfgio.load(cls, path, overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (what config.toml and state.json hold)."""
+        return cfgio.to_dict(self)
+
+
+def open_images(dataset: str, image_size: int, what: str) -> ImageDataset:
+    """The image dataset, refused in one line when its pictures are not `image_size` square."""
+    data = ImageDataset.open(dataset)
+    if data.size != image_size:
+        raise KilnError(
+            f"{what} = {image_size}, but {dataset} holds {data.size}×{data.size} pictures"
+        )
+    return data
 
 
 def batch_indices(n: int, batch: int, seed: int, epoch: int, position: int) -> np.ndarray:

@@ -12,7 +12,6 @@ codebook are in every checkpoint, so a resumed run takes the same steps bit for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln import config as cfgio
 from kiln.config import require
-from kiln.errors import KilnError
-from kiln.image.dataset import ImageDataset
 from kiln.image.vqvae import VQVAE, VQVAEConfig, psnr, to_uint8, to_unit
 from kiln.io import atomic_write
 from kiln.train.config import OptimConfig, ScheduleConfig
-from kiln.train.image_loop import CheckpointSection, ImageDataSection, ImageRun, batch_indices
+from kiln.train.image_loop import (
+    CheckpointSection,
+    ImageDataSection,
+    ImageRun,
+    ImageTrainConfig,
+    ImageTrainSection,
+    batch_indices,
+    open_images,
+)
 from kiln.train.optim import build_optimizer, set_lr
 from kiln.train.schedule import lr_multiplier
 
@@ -35,28 +39,18 @@ __all__ = ["CheckpointSection", "ImageDataSection", "VQVAERun", "VQVAETrainConfi
 
 
 @dataclass
-class VQVAETrainSection:
-    """Length, batch, evaluation and logging cadence, device, seed."""
+class VQVAETrainSection(ImageTrainSection):
+    """The shared [train] fields, and how often dead codes restart."""
 
-    max_steps: int = 2000
-    batch_size: int = 64
-    grad_clip: float = 1.0  # 0 turns clipping off
-    eval_every: int = 250
-    eval_images: int = 500  # per eval split (the first N, so every eval sees the same)
-    log_every: int = 25
     restart_every: int = 50  # steps between dead-code restarts; 0: never
-    device: str = "cpu"
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "batch_size", "eval_every", "eval_images", "log_every"):
-            require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
-        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        super().__post_init__()
         require(self.restart_every >= 0, "train.restart_every must be >= 0")
 
 
 @dataclass
-class VQVAETrainConfig:
+class VQVAETrainConfig(ImageTrainConfig):
     """A `kiln image train-vqvae` TOML file."""
 
     data: ImageDataSection
@@ -67,15 +61,6 @@ class VQVAETrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run_dir: str = "runs/vqvae"
 
-    @classmethod
-    def load(cls, path: str | Path | None, overrides: Sequence[str] = ()) -> VQVAETrainConfig:
-        """Read the TOML file, apply --set overrides, check it."""
-        return cfgio.load(cls, path, overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (what config.toml and state.json hold)."""
-        return cfgio.to_dict(self)
-
 
 class VQVAERun(ImageRun):
     """One training run in `cfg.run_dir`: fresh, or resumed from its latest checkpoint."""
@@ -83,12 +68,7 @@ class VQVAERun(ImageRun):
     command = "kiln image train-vqvae"
 
     def __init__(self, cfg: VQVAETrainConfig, resume: bool = False) -> None:
-        self.data = ImageDataset.open(cfg.data.dataset)
-        if self.data.size != cfg.model.image_size:
-            raise KilnError(
-                f"model.image_size = {cfg.model.image_size}, but {cfg.data.dataset} holds "
-                f"{self.data.size}×{self.data.size} pictures"
-            )
+        self.data = open_images(cfg.data.dataset, cfg.model.image_size, "model.image_size")
         self.train_images = self.data.images(cfg.data.train_split)
         super().__init__(cfg, len(self.train_images), resume)
         self.eval_splits = [s for s in cfg.data.eval_splits if s in self.data.splits]
