@@ -16,6 +16,13 @@ other processes hits both alike. The server's memory is read after every HTTP ro
 that stops is the KV block pool's pages being written for the first time (the pool is
 allocated empty; the bench prints its size) or glibc's per-thread malloc arenas keeping freed
 memory (`--malloc-arena-max 2` caps them); growth that goes on would be a leak.
+
+`--soak SECONDS` adds a long HTTP-only phase after the rounds (the clients keep streaming until
+the time is spent). The server's RSS is sampled every `--sample-s` seconds from its start to
+its end; the bench prints the series' start, max, end and the slope over its last third, and
+`--plot` writes a PNG of RSS over time (requests done on a second axis):
+
+    .venv/bin/python bench/serve_load.py MODEL --rounds 1 --soak 600 --plot rss.png --noisy
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._load import add_noisy_flag, begin
+from bench._rss import RssSampler, describe_trend, plot_rss, rss_mib, rss_trend
 from kiln.io import write_json_atomic
 
 PROMPTS = [
@@ -196,11 +204,24 @@ def start_server(
     raise SystemExit(f"kiln serve did not start (exit {proc.wait()})")
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process, MiB."""
-    import psutil
-
-    return psutil.Process(pid).memory_info().rss / 2**20
+def soak(args: argparse.Namespace, url: str, name: str, until: float, sampler: RssSampler,
+         done: list[tuple[float, float]]) -> Load:  # fmt: skip
+    """HTTP load in batches of 8 requests per client until the sampler's clock reaches `until`."""
+    total = Load()
+    one = http_request(url, name, args.max_tokens, args.temperature)
+    while sampler.elapsed() < until:
+        part = run_clients(args.clients, 8 * args.clients, one)
+        total.wall_s += part.wall_s
+        total.requests += part.requests
+        total.failures += part.failures
+        total.tokens += part.tokens
+        total.ttft += part.ttft
+        total.gaps += part.gaps
+        total.errors += part.errors[: 3 - len(total.errors)]
+        done.append((sampler.elapsed(), done[-1][1] + part.requests))
+        print(f"  soak {sampler.elapsed():.0f}/{until:.0f} s: {done[-1][1]:.0f} requests, "
+              f"server RSS {sampler.series[-1][1]:.0f} MiB", flush=True)  # fmt: skip
+    return total
 
 
 def summary(name: str, load: Load) -> dict[str, object]:
@@ -230,6 +251,14 @@ def main() -> None:
         "--malloc-arena-max", type=int, default=None,
         help="MALLOC_ARENA_MAX for the server (glibc's per-thread arenas hold freed memory)",
     )  # fmt: skip
+    p.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        help="then this many seconds more of HTTP load only (a leak check)",
+    )
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument("--plot", help="write a PNG of the server's RSS over time here")
     add_noisy_flag(p)
     args = p.parse_args()
     measured = begin("bench/serve_load.py", args.noisy)
@@ -241,6 +270,9 @@ def main() -> None:
     from kiln.serve.engine.block_pool import block_bytes
 
     proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
+    sampler = RssSampler(proc.pid, args.sample_s).start()
+    done: list[tuple[float, float]] = [(0.0, 0)]  # (seconds, HTTP requests done) for the plot
+    soaked = Load()
     try:
         loaded = load_model(args.model)
         engine = Engine.from_loaded(loaded)
@@ -267,9 +299,14 @@ def main() -> None:
             for e in http.errors[:3]:
                 print("  failure:", e)
             rss.append(rss_mib(proc.pid))
-        after = rss[-1]
+            done.append((sampler.elapsed(), done[-1][1] + http.requests))
+        soaked = soak(args, url, name, sampler.elapsed() + args.soak, sampler, done)
+        if soaked.requests:
+            rows.append(summary(f"kiln serve soak ({args.soak:.0f} s)", soaked))
+        after = rss_mib(proc.pid)
         engine.stop()
     finally:
+        series = sampler.stop()
         proc.terminate()
         code = proc.wait(timeout=60)
 
@@ -290,9 +327,16 @@ def main() -> None:
           "its pages join the RSS as blocks are first written)")  # fmt: skip
     print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
           f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
+    trend = rss_trend(series)
+    print(f"server {describe_trend(trend)}; {done[-1][1]:.0f} HTTP requests, "
+          f"{soaked.failures + sum(int(r['failed']) for r in rows)} failed")  # fmt: skip
+    if args.plot:
+        title = f"kiln serve RSS: {args.clients} clients, {done[-1][1]:.0f} requests"
+        print("plot:", plot_rss(series, Path(args.plot), title, done) or "matplotlib missing")
     print(measured.line())
     if args.json:
-        doc = {"rows": rows, "rss_before_mib": before, "rss_after_rounds_mib": rss, "exit": code}
+        doc = {"rows": rows, "rss_before_mib": before, "rss_after_rounds_mib": rss, "exit": code,
+               "rss_series": series, "rss_trend": trend.__dict__, "requests_done": done}  # fmt: skip
         write_json_atomic(args.json, measured.stamp(doc))
 
 
