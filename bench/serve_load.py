@@ -23,6 +23,10 @@ its end; the bench prints the series' start, max, end and the slope over its las
 `--plot` writes a PNG of RSS over time (requests done on a second axis):
 
     .venv/bin/python bench/serve_load.py MODEL --rounds 1 --soak 600 --plot rss.png --noisy
+
+`--tracemalloc FRAMES` starts the server with KILN_SERVE_TRACEMALLOC=FRAMES and reads its
+/debug/memory after the warm-up and at the end: the allocation sites and object types of the
+server's Python heap that grew in between (the server runs slower: don't read speed from it).
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def engine_batch(engine, requests: int, max_tokens: int, temperature: float) -> 
 
 
 def start_server(
-    model: str, max_concurrent: int, arenas: int | None
+    model: str, max_concurrent: int, arenas: int | None, tracemalloc_frames: int | None = None
 ) -> tuple[subprocess.Popen[str], str, str]:
     """`kiln serve MODEL --port 0` (glibc malloc arenas capped when asked); its process, base
     URL and model name."""
@@ -190,6 +194,10 @@ def start_server(
     env = {**os.environ, "PYTHONPATH": str(root)}
     if arenas is not None:
         env["MALLOC_ARENA_MAX"] = str(arenas)
+    if (
+        tracemalloc_frames is not None
+    ):  # the server's /debug/memory (kiln/serve/http/memory_probe.py)
+        env["KILN_SERVE_TRACEMALLOC"] = str(tracemalloc_frames)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", model, "--port", "0",
          "--max-concurrent", str(max_concurrent)],
@@ -222,6 +230,26 @@ def soak(args: argparse.Namespace, url: str, name: str, until: float, sampler: R
         print(f"  soak {sampler.elapsed():.0f}/{until:.0f} s: {done[-1][1]:.0f} requests, "
               f"server RSS {sampler.series[-1][1]:.0f} MiB", flush=True)  # fmt: skip
     return total
+
+
+def memory_report(url: str) -> dict[str, object]:
+    """The server's /debug/memory: what its Python heap grew by since the previous call."""
+    import httpx2 as httpx
+
+    return httpx.get(url + "/debug/memory", timeout=600).json()
+
+
+def print_memory_report(report: dict[str, object], frames: int) -> None:
+    """The heap's growth over the measured run: sites (innermost kiln frames) and types."""
+    print(f"server Python heap (tracemalloc): {report['traced_mib']:.1f} MiB traced, "
+          f"{report['tasks']} asyncio tasks pending; grown most since the warm-up:")  # fmt: skip
+    for site in report["sites"][:8]:  # type: ignore[index]
+        where = [f for f in site["traceback"] if "/kiln/" in f][-frames:] or site["traceback"][-1:]
+        print(
+            f"  {site['size_kib']:+8.1f} KiB {site['count']:+7d} blocks  {' <- '.join(where[::-1][:3])}"
+        )
+    types = ", ".join(f"{t['type']} {t['count']:+d}" for t in report["types"][:8])  # type: ignore[index]
+    print(f"  live objects grown most: {types or 'none'}")
 
 
 def summary(name: str, load: Load) -> dict[str, object]:
@@ -259,6 +287,9 @@ def main() -> None:
     )
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--plot", help="write a PNG of the server's RSS over time here")
+    p.add_argument("--tracemalloc", type=int, metavar="FRAMES",
+                   help="trace the server's Python allocations (FRAMES deep; slows it) and print "
+                   "what grew between the warm-up and the end")  # fmt: skip
     add_noisy_flag(p)
     args = p.parse_args()
     measured = begin("bench/serve_load.py", args.noisy)
@@ -269,7 +300,9 @@ def main() -> None:
     from kiln.serve.engine import Engine
     from kiln.serve.engine.block_pool import block_bytes
 
-    proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
+    proc, url, name = start_server(
+        args.model, args.clients, args.malloc_arena_max, args.tracemalloc
+    )
     sampler = RssSampler(proc.pid, args.sample_s).start()
     done: list[tuple[float, float]] = [(0.0, 0)]  # (seconds, HTTP requests done) for the plot
     soaked = Load()
@@ -286,6 +319,8 @@ def main() -> None:
             args.clients, args.clients, engine_request(engine, args.max_tokens, args.temperature)
         )
         before = rss_mib(proc.pid)
+        if args.tracemalloc:
+            memory_report(url)  # the baseline: growth is read from here on
         rows, rss = [], []
         batched = engine_batch(engine, args.requests, args.max_tokens, args.temperature)
         rows.append(summary("engine.generate, all requests at once", batched))
@@ -304,6 +339,7 @@ def main() -> None:
         if soaked.requests:
             rows.append(summary(f"kiln serve soak ({args.soak:.0f} s)", soaked))
         after = rss_mib(proc.pid)
+        heap = memory_report(url) if args.tracemalloc else None
         engine.stop()
     finally:
         series = sampler.stop()
@@ -330,6 +366,8 @@ def main() -> None:
     trend = rss_trend(series)
     print(f"server {describe_trend(trend)}; {done[-1][1]:.0f} HTTP requests, "
           f"{soaked.failures + sum(int(r['failed']) for r in rows)} failed")  # fmt: skip
+    if heap is not None:
+        print_memory_report(heap, args.tracemalloc)
     if args.plot:
         title = f"kiln serve RSS: {args.clients} clients, {done[-1][1]:.0f} requests"
         print("plot:", plot_rss(series, Path(args.plot), title, done) or "matplotlib missing")

@@ -1,11 +1,13 @@
 """A server's memory does not grow with the number of requests it has answered (issue #32's leak
 hunt): after a burst of requests of every kind (streamed, whole, n > 1, refused, left mid-stream)
-no per-request object outlives its request, and every book the server keeps is back to idle."""
+no per-request object outlives its request, and every book the server keeps is back to idle; and
+the server's /debug/memory, which finds what grew when something does."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +15,12 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 
+from kiln.errors import KilnError
 from kiln.serve.engine.engine import _Request, _Sample
 from kiln.serve.engine.requests import RequestHandle
 from kiln.serve.engine.scheduler import Sequence
 from kiln.serve.http.generation import Generation
+from kiln.serve.http.memory_probe import ENV, frames_from_env
 from tests.serve.http.conftest import RunningServer, serve_model, wait_until
 
 PROMPTS = ["Once upon a time, there was a little dog", "Lily and Tom went to the park."]
@@ -89,3 +93,39 @@ def test_nothing_the_server_keeps_grows_with_the_requests_it_answered(
     assert {k: v for k, v in after_many.items() if k not in constant and v} == {}
     # Outcome labels are a fixed set (a status code at most), never a per-request value.
     assert set(server.service.metrics.requests) == {"ok", "disconnected", "http_400"}
+
+
+# ---- /debug/memory (KILN_SERVE_TRACEMALLOC) ------------------------------------------------------
+
+
+class Planted:
+    """Objects a test keeps alive between two reports, as a leak would."""
+
+
+def test_debug_memory_is_absent_unless_asked_for(server: RunningServer) -> None:
+    assert httpx.get(server.url + "/debug/memory", timeout=TIMEOUT).status_code == 404
+
+
+def test_debug_memory_names_the_type_and_site_that_grew_between_two_calls(
+    base_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "4")
+    kept: list[Planted] = []
+    try:
+        with serve_model(base_model) as running:
+            first = httpx.get(running.url + "/debug/memory", timeout=TIMEOUT).json()
+            kept += [Planted() for _ in range(5000)]
+            second = httpx.get(running.url + "/debug/memory", timeout=TIMEOUT).json()
+    finally:
+        tracemalloc.stop()
+    assert first["traced_mib"] > 0 and second["rss_mib"] > 0
+    grown = {t["type"]: t["count"] for t in second["types"]}
+    assert grown.get("Planted", 0) >= 5000
+    assert any(__file__ + ":" in "".join(s["traceback"]) for s in second["sites"])
+
+
+@pytest.mark.parametrize("value", ["0", "x", "65"])
+def test_a_bad_tracemalloc_setting_names_the_variable(value: str) -> None:
+    with pytest.raises(KilnError, match=f"{ENV}='{value}': expected a number of stack frames"):
+        frames_from_env({ENV: value})
+    assert frames_from_env({}) is None and frames_from_env({ENV: "8"}) == 8
