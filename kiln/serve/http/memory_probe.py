@@ -37,6 +37,13 @@ def frames_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> 
     return int(raw)
 
 
+def _snapshot() -> tracemalloc.Snapshot:
+    """The traced allocations, less the probe's own (its snapshots and counts would otherwise
+    top every report)."""
+    mine = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    return tracemalloc.take_snapshot().filter_traces(mine)
+
+
 def _type_counts() -> Counter[str]:
     gc.collect()
     # type() rather than isinstance: no __class__ lookups on lazy module proxies.
@@ -50,13 +57,13 @@ class MemoryProbe:
         if not tracemalloc.is_tracing():
             tracemalloc.start(frames)
         self._lock = threading.Lock()
-        self._snapshot = tracemalloc.take_snapshot()
+        self._snapshot = _snapshot()
         self._types = _type_counts()
 
     def report(self) -> dict[str, Any]:
         """Traced bytes, RSS, and the sites, types and tasks that grew since the last call."""
         with self._lock:
-            snapshot, types = tracemalloc.take_snapshot(), _type_counts()
+            snapshot, types = _snapshot(), _type_counts()
             sites = snapshot.compare_to(self._snapshot, "traceback")
             grown = sorted(((n - self._types[t], t) for t, n in types.items()), reverse=True)
             self._snapshot, self._types = snapshot, types
