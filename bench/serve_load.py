@@ -16,6 +16,17 @@ other processes hits both alike. The server's memory is read after every HTTP ro
 that stops is the KV block pool's pages being written for the first time (the pool is
 allocated empty; the bench prints its size) or glibc's per-thread malloc arenas keeping freed
 memory (`--malloc-arena-max 2` caps them); growth that goes on would be a leak.
+
+`--soak SECONDS` adds a long HTTP-only phase after the rounds (the clients keep streaming until
+the time is spent). The server's RSS is sampled every `--sample-s` seconds from its start to
+its end; the bench prints the series' start, max, end and the slope over its last third, and
+`--plot` writes a PNG of RSS over time (requests done on a second axis):
+
+    .venv/bin/python bench/serve_load.py MODEL --rounds 1 --soak 600 --plot rss.png --noisy
+
+`--tracemalloc FRAMES` starts the server with KILN_SERVE_TRACEMALLOC=FRAMES and reads its
+/debug/memory after the warm-up and at the end: the allocation sites and object types of the
+server's Python heap that grew in between (the server runs slower: don't read speed from it).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._load import add_noisy_flag, begin
+from bench._rss import RssSampler, describe_trend, plot_rss, rss_mib, rss_trend
 from kiln.io import write_json_atomic
 
 PROMPTS = [
@@ -174,7 +186,7 @@ def engine_batch(engine, requests: int, max_tokens: int, temperature: float) -> 
 
 
 def start_server(
-    model: str, max_concurrent: int, arenas: int | None
+    model: str, max_concurrent: int, arenas: int | None, tracemalloc_frames: int | None = None
 ) -> tuple[subprocess.Popen[str], str, str]:
     """`kiln serve MODEL --port 0` (glibc malloc arenas capped when asked); its process, base
     URL and model name."""
@@ -182,6 +194,10 @@ def start_server(
     env = {**os.environ, "PYTHONPATH": str(root)}
     if arenas is not None:
         env["MALLOC_ARENA_MAX"] = str(arenas)
+    if (
+        tracemalloc_frames is not None
+    ):  # the server's /debug/memory (kiln/serve/http/memory_probe.py)
+        env["KILN_SERVE_TRACEMALLOC"] = str(tracemalloc_frames)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", model, "--port", "0",
          "--max-concurrent", str(max_concurrent)],
@@ -196,11 +212,44 @@ def start_server(
     raise SystemExit(f"kiln serve did not start (exit {proc.wait()})")
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process, MiB."""
-    import psutil
+def soak(args: argparse.Namespace, url: str, name: str, until: float, sampler: RssSampler,
+         done: list[tuple[float, float]]) -> Load:  # fmt: skip
+    """HTTP load in batches of 8 requests per client until the sampler's clock reaches `until`."""
+    total = Load()
+    one = http_request(url, name, args.max_tokens, args.temperature)
+    while sampler.elapsed() < until:
+        part = run_clients(args.clients, 8 * args.clients, one)
+        total.wall_s += part.wall_s
+        total.requests += part.requests
+        total.failures += part.failures
+        total.tokens += part.tokens
+        total.ttft += part.ttft
+        total.gaps += part.gaps
+        total.errors += part.errors[: 3 - len(total.errors)]
+        done.append((sampler.elapsed(), done[-1][1] + part.requests))
+        print(f"  soak {sampler.elapsed():.0f}/{until:.0f} s: {done[-1][1]:.0f} requests, "
+              f"server RSS {sampler.series[-1][1]:.0f} MiB", flush=True)  # fmt: skip
+    return total
 
-    return psutil.Process(pid).memory_info().rss / 2**20
+
+def memory_report(url: str) -> dict[str, object]:
+    """The server's /debug/memory: what its Python heap grew by since the previous call."""
+    import httpx2 as httpx
+
+    return httpx.get(url + "/debug/memory", timeout=600).json()
+
+
+def print_memory_report(report: dict[str, object], frames: int) -> None:
+    """The heap's growth over the measured run: sites (innermost kiln frames) and types."""
+    print(f"server Python heap (tracemalloc): {report['traced_mib']:.1f} MiB traced, "
+          f"{report['tasks']} asyncio tasks pending; grown most since the warm-up:")  # fmt: skip
+    for site in report["sites"][:8]:  # type: ignore[index]
+        where = [f for f in site["traceback"] if "/kiln/" in f][-frames:] or site["traceback"][-1:]
+        print(
+            f"  {site['size_kib']:+8.1f} KiB {site['count']:+7d} blocks  {' <- '.join(where[::-1][:3])}"
+        )
+    types = ", ".join(f"{t['type']} {t['count']:+d}" for t in report["types"][:8])  # type: ignore[index]
+    print(f"  live objects grown most: {types or 'none'}")
 
 
 def summary(name: str, load: Load) -> dict[str, object]:
@@ -230,6 +279,17 @@ def main() -> None:
         "--malloc-arena-max", type=int, default=None,
         help="MALLOC_ARENA_MAX for the server (glibc's per-thread arenas hold freed memory)",
     )  # fmt: skip
+    p.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        help="then this many seconds more of HTTP load only (a leak check)",
+    )
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument("--plot", help="write a PNG of the server's RSS over time here")
+    p.add_argument("--tracemalloc", type=int, metavar="FRAMES",
+                   help="trace the server's Python allocations (FRAMES deep; slows it) and print "
+                   "what grew between the warm-up and the end")  # fmt: skip
     add_noisy_flag(p)
     args = p.parse_args()
     measured = begin("bench/serve_load.py", args.noisy)
@@ -240,7 +300,12 @@ def main() -> None:
     from kiln.serve.engine import Engine
     from kiln.serve.engine.block_pool import block_bytes
 
-    proc, url, name = start_server(args.model, args.clients, args.malloc_arena_max)
+    proc, url, name = start_server(
+        args.model, args.clients, args.malloc_arena_max, args.tracemalloc
+    )
+    sampler = RssSampler(proc.pid, args.sample_s).start()
+    done: list[tuple[float, float]] = [(0.0, 0)]  # (seconds, HTTP requests done) for the plot
+    soaked = Load()
     try:
         loaded = load_model(args.model)
         engine = Engine.from_loaded(loaded)
@@ -254,6 +319,8 @@ def main() -> None:
             args.clients, args.clients, engine_request(engine, args.max_tokens, args.temperature)
         )
         before = rss_mib(proc.pid)
+        if args.tracemalloc:
+            memory_report(url)  # the baseline: growth is read from here on
         rows, rss = [], []
         batched = engine_batch(engine, args.requests, args.max_tokens, args.temperature)
         rows.append(summary("engine.generate, all requests at once", batched))
@@ -267,9 +334,15 @@ def main() -> None:
             for e in http.errors[:3]:
                 print("  failure:", e)
             rss.append(rss_mib(proc.pid))
-        after = rss[-1]
+            done.append((sampler.elapsed(), done[-1][1] + http.requests))
+        soaked = soak(args, url, name, sampler.elapsed() + args.soak, sampler, done)
+        if soaked.requests:
+            rows.append(summary(f"kiln serve soak ({args.soak:.0f} s)", soaked))
+        after = rss_mib(proc.pid)
+        heap = memory_report(url) if args.tracemalloc else None
         engine.stop()
     finally:
+        series = sampler.stop()
         proc.terminate()
         code = proc.wait(timeout=60)
 
@@ -290,9 +363,18 @@ def main() -> None:
           "its pages join the RSS as blocks are first written)")  # fmt: skip
     print(f"server RSS: {before:.0f} MiB after warm-up; after each HTTP round: {rounds} MiB "
           f"({after - before:+.0f} MiB in all); server exit status on SIGTERM: {code}")  # fmt: skip
+    trend = rss_trend(series)
+    print(f"server {describe_trend(trend)}; {done[-1][1]:.0f} HTTP requests, "
+          f"{soaked.failures + sum(int(r['failed']) for r in rows)} failed")  # fmt: skip
+    if heap is not None:
+        print_memory_report(heap, args.tracemalloc)
+    if args.plot:
+        title = f"kiln serve RSS: {args.clients} clients, {done[-1][1]:.0f} requests"
+        print("plot:", plot_rss(series, Path(args.plot), title, done) or "matplotlib missing")
     print(measured.line())
     if args.json:
-        doc = {"rows": rows, "rss_before_mib": before, "rss_after_rounds_mib": rss, "exit": code}
+        doc = {"rows": rows, "rss_before_mib": before, "rss_after_rounds_mib": rss, "exit": code,
+               "rss_series": series, "rss_trend": trend.__dict__, "requests_done": done}  # fmt: skip
         write_json_atomic(args.json, measured.stamp(doc))
 
 

@@ -69,6 +69,9 @@ def assert_no_leaks(engine: Engine) -> None:
     assert stats.blocks_used == stats.blocks_cached, stats
     if not engine.config.prefix_caching:
         assert stats.blocks_used == 0, stats
+    if engine.windowed is not None:  # a mixed-window model's windowed layers' own pool
+        local = engine.windowed.pool
+        assert local.used == local.cached, (local.used, local.cached)
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

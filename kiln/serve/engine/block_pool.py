@@ -34,6 +34,16 @@ def attention_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layer) if cfg.layer_mixer(i) == "attention"]
 
 
+def window_groups(cfg: ModelConfig) -> tuple[list[int], list[int]] | None:
+    """(global layers, windowed layers) of a model that mixes both; None otherwise (all of
+    one kind: one block table serves every layer, see window_blocks.py)."""
+    layers = attention_layers(cfg)
+    windowed = [i for i in layers if cfg.layer_window(i) is not None]
+    if not windowed or len(windowed) == len(layers):
+        return None
+    return [i for i in layers if i not in windowed], windowed
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes the engine's pool stores per token, over all attention layers.
 
@@ -72,6 +82,12 @@ def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int) -> list[Bl
 class BlockPool:
     """num_blocks KV blocks of block_size tokens; allocation, reference counts, prefix cache."""
 
+    @property
+    def layer_bytes_per_block(self) -> int:
+        """Bytes one block takes in one of this pool's layers (keys and values)."""
+        per = self.k[0, :, 0].numel() * self.k.element_size()
+        return per * (1 if self.v is None else 2)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -80,11 +96,13 @@ class BlockPool:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        layers: Sequence[int] | None = None,
     ) -> None:
         # Two extra blocks, never handed out: one stays all zeros (padded reads point at it, so
         # a masked key always holds finite values: 0 weight x stale NaN would still be NaN),
-        # the other takes the writes of padding tokens.
-        layers = attention_layers(cfg)
+        # the other takes the writes of padding tokens. `layers`: the attention layers this
+        # pool stores (default all; a mixed-window model's groups, see window_blocks.py).
+        layers = list(attention_layers(cfg) if layers is None else layers)
         self.index = {layer: i for i, layer in enumerate(layers)}  # model layer -> pool row
         heads, k_dim, v_dim = cfg.kv_cache_dims
         self.latent = cfg.mla is not None  # one [latent | RoPE key] tensor, values inside it

@@ -11,7 +11,8 @@ under and what it costs).
 
 Every architecture kiln.model builds is served (docs/engine.md, "Architectures"): MLA from its
 latent cache with absorbed weights, sinks and soft-caps in the paged attention, sliding windows
-that release the blocks behind every layer's window, and recurrent layers (Mamba-2, Gated
+that release the blocks behind the window (a model mixing windowed and global layers keeps a
+second block group for the windowed ones: window_blocks.py), and recurrent layers (Mamba-2, Gated
 DeltaNet, hybrids) with a per-sequence state slot (state_pool.py) beside the KV blocks of the
 attention layers; prefix caching is off for recurrent models (their state is not cached).
 
@@ -58,6 +59,7 @@ from kiln.serve.engine.scheduler import Scheduler, Work
 from kiln.serve.engine.scheduler import Sequence as Seq
 from kiln.serve.engine.state_pool import StatePool
 from kiln.serve.engine.stop import TextStream
+from kiln.serve.engine.window_blocks import WindowBlocks
 
 if TYPE_CHECKING:
     from kiln.loading import LoadedModel
@@ -233,7 +235,13 @@ class Engine:
                 f"engine.kv_cache_bytes = {c.kv_cache_bytes} holds no KV block "
                 f"({per_block} bytes each)"
             )
-        self.pool = BlockPool(cfg, num_blocks, c.block_size, device=self.device, dtype=param.dtype)
+        # A model mixing windowed and global layers: the windowed layers get their own pool,
+        # sized to what their windows can hold, and free their blocks behind the window.
+        step_tokens = max(c.max_tokens_per_step, c.prefill_chunk) + c.speculative_k + 1
+        self.windowed = WindowBlocks.for_model(cfg, num_blocks, c.block_size, c.max_num_seqs,
+                                               step_tokens, self.device, param.dtype)  # fmt: skip
+        self.pool = BlockPool(cfg, num_blocks, c.block_size, device=self.device, dtype=param.dtype,
+                              layers=self.windowed and self.windowed.global_layers)  # fmt: skip
         self.drafter = drafter
         if drafter is not None:
             drafter.setup(model, num_blocks, c.block_size)
@@ -246,7 +254,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=c.max_num_seqs, max_tokens_per_step=c.max_tokens_per_step,
             prefill_chunk=c.prefill_chunk, prefix_caching=c.prefix_caching and self.states is None,
-            states=self.states, window=sliding_window_horizon(cfg),
+            states=self.states, window=sliding_window_horizon(cfg), local=self.windowed,
         )  # fmt: skip
         self._lock = threading.Lock()  # guards the inbox, cancellations and counters
         self._step_lock = threading.Lock()  # one step at a time
@@ -542,15 +550,21 @@ class Engine:
         for w in work:
             extra = drafts.get(w.seq, [])
             tokens += w.seq.tokens[w.start : w.end] + extra
-            segments.append(Segment(tuple(w.seq.blocks), w.start, w.end + len(extra), w.seq.state))
+            segments.append(Segment(tuple(w.seq.blocks), w.start, w.end + len(extra), w.seq.state,
+                                    tuple(w.seq.local)))  # fmt: skip
             if w.sample:
                 rows += range(len(tokens) - 1 - len(extra), len(tokens))
         pad = 0
         if self.config.batch_invariant:  # whole tiles: elementwise ops and norms see them too
             pad = pad_rows(len(tokens), self.config.invariant_rows) - len(tokens)
         idx = torch.tensor(tokens + [0] * pad, dtype=torch.long, device=self.device)[None]
+        local = None
+        if self.windowed is not None:  # the windowed layers read their own tables
+            local = PagedStep(self.windowed.pool, [Segment(s.local, s.start, s.end)
+                              for s in segments], self.device,
+                              invariant=self.config.batch_invariant, pad_tokens=pad)  # fmt: skip
         cache = PagedStep(self.pool, segments, self.device, invariant=self.config.batch_invariant,
-                          pad_tokens=pad, states=self.states)  # fmt: skip
+                          pad_tokens=pad, states=self.states, local=local)  # fmt: skip
         tiles = contextlib.nullcontext()
         if self.config.batch_invariant:
             tiles = TiledMatmuls(self.config.invariant_rows)
@@ -616,6 +630,8 @@ class Engine:
         child.seq = seq
         full, partial = divmod(parent.prompt_len, bs)
         room = len(self.scheduler.running) < self.config.max_num_seqs
+        if self.windowed is not None and partial and self.windowed.pool.available == 0:
+            room = False
         if not room or (partial and self.pool.available == 0):
             self.scheduler.add(seq)  # recomputed (prefix-cache hits permitting) when admitted
             return False
@@ -627,6 +643,8 @@ class Engine:
             block = self.pool.allocate()
             self.pool.copy(parent.blocks[full], block)
             seq.blocks.append(block)
+        if self.windowed is not None:
+            self.windowed.fork(parent, seq, full, bool(partial))
         seq.num_computed = parent.prompt_len
         seq.registered = min(parent.registered, full)
         seq.keys = parent.keys[:full]
@@ -757,6 +775,8 @@ class Engine:
         with self._step_lock:
             seqs = [*self.scheduler.running, *self.scheduler.waiting]
             self.pool.audit(s.blocks for s in seqs)
+            if self.windowed is not None:
+                self.windowed.audit(seqs)
             if self.states is not None:
                 self.states.audit(s.state for s in self.scheduler.running)
                 if any(s.state is not None for s in self.scheduler.waiting):

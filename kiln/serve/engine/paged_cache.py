@@ -54,6 +54,7 @@ class Segment:
     start: int
     end: int
     state: int | None = None  # the sequence's recurrent-state slot (models with recurrent layers)
+    local: tuple[int, ...] = ()  # the windowed layers' table of a mixed model (window_blocks.py)
 
 
 def _slots(table: tuple[int, ...], n: int, bs: int) -> Tensor:
@@ -77,8 +78,10 @@ class PagedStep:
         invariant: bool = True,
         pad_tokens: int = 0,
         states: StatePool | None = None,
+        local: PagedStep | None = None,
     ) -> None:
         bs = pool.block_size
+        self.local = local  # the same segments over the windowed layers' pool (mixed models)
         zero_block = pool.zero_slot // bs
         segments = [
             Segment(tuple(zero_block if b == FREED else b for b in s.table), s.start, s.end, s.state)
@@ -191,6 +194,9 @@ class PagedStep:
         """Store k, v (1, H_kv, N, D) in the pool; attention (1, H, N, D) of every segment."""
         # Plain tensor code, no linear layers: skip torch-function modes (e.g. BatchInvariant)
         # whose per-op Python dispatch would otherwise cost more than these small ops.
+        if self.local is not None and layer in self.local.pool.index:
+            return self.local.attend(layer, q, k, v, window, scale=scale, sinks=sinks,
+                                     softcap=softcap)  # fmt: skip
         with torch._C.DisableTorchFunction():
             i = self.pool.index[layer]
             pk, pv = self.pool.k[i], self.pool.v[i]  # (H_kv, num_blocks, bs, D)
@@ -208,6 +214,8 @@ class PagedStep:
 
         The values are the keys' first v_dim columns (MLA's latent): one stored copy.
         """
+        if self.local is not None and layer in self.local.pool.index:
+            return self.local.attend_latent(layer, q, kv, v_dim, window, scale=scale, sinks=sinks)
         with torch._C.DisableTorchFunction():
             pk = self.pool.k[self.pool.index[layer]]  # (1, num_blocks, bs, R + r)
             pk[:, self.slot_block, self.slot_offset] = kv[0].to(pk.dtype)

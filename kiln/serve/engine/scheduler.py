@@ -9,7 +9,9 @@ preempted: its blocks are released and it is recomputed from its tokens when the
 
 With a sliding window on every attention layer (`window`), a block whose tokens all lie before
 the window of the sequence's next query is released as soon as the sequence moves past it; its
-table entry becomes FREED (read as the zero block, which the window masks anyway). A model
+table entry becomes FREED (read as the zero block, which the window masks anyway). A model that
+mixes windowed and global layers (`local`) keeps a second table per sequence for the windowed
+layers' own pool and frees that one the same way (window_blocks.py). A model
 with recurrent layers (`states`) gives each running sequence a state slot from admission until
 it finishes or is preempted.
 """
@@ -25,6 +27,7 @@ from kiln.serve.engine.paged_cache import Segment
 
 if TYPE_CHECKING:
     from kiln.serve.engine.state_pool import StatePool
+    from kiln.serve.engine.window_blocks import WindowBlocks
 
 
 @dataclass(eq=False)
@@ -42,6 +45,8 @@ class Sequence:
     finished: bool = False
     state: int | None = None  # recurrent-state slot while running (models with recurrent layers)
     dropped: int = 0  # leading table entries already checked against the sliding window
+    local: list[int] = field(default_factory=list)  # the windowed layers' table (mixed models)
+    local_dropped: int = 0  # leading `local` entries already checked against the window
 
     @property
     def decoding(self) -> bool:
@@ -64,7 +69,8 @@ class Work:
 
     def segment(self) -> Segment:
         """The segment as the paged cache sees it."""
-        return Segment(tuple(self.seq.blocks), self.start, self.end, self.seq.state)
+        return Segment(tuple(self.seq.blocks), self.start, self.end, self.seq.state,
+                       tuple(self.seq.local))  # fmt: skip
 
 
 class Scheduler:
@@ -80,8 +86,10 @@ class Scheduler:
         prefix_caching: bool,
         states: StatePool | None = None,
         window: int | None = None,
+        local: WindowBlocks | None = None,
     ) -> None:
         self.pool = pool
+        self.local = local  # the windowed layers' blocks of a mixed model
         self.states = states
         self.window = window  # the widest sliding window when every attention layer has one
         self.max_num_seqs = max_num_seqs
@@ -105,6 +113,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks = []
+        if self.local is not None:
+            self.local.release(seq)
         self._drop_state(seq)
 
     def _drop_state(self, seq: Sequence) -> None:
@@ -186,8 +196,12 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, end: int, scheduled: set[int] | None) -> bool:
         """Give seq the blocks for tokens [0, end), preempting the newest (decode) if needed."""
-        need = -(-end // self.pool.block_size) - len(seq.blocks)
-        while need > self.pool.available:
+        n_blocks = -(-end // self.pool.block_size)
+        need = n_blocks - len(seq.blocks)
+        local = self.local
+        while need > self.pool.available or (
+            local is not None and local.needs(seq, n_blocks) > local.pool.available
+        ):
             if scheduled is None:
                 return False
             victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
@@ -198,6 +212,8 @@ class Scheduler:
                 return False
         for _ in range(need):
             seq.blocks.append(self.pool.allocate())
+        if local is not None:
+            local.grow(seq, n_blocks)
         return True
 
     def reserve(self, seq: Sequence, end: int) -> bool:
@@ -210,12 +226,16 @@ class Scheduler:
         if len(seq.blocks) > keep:
             self.pool.release(seq.blocks[keep:])
             del seq.blocks[keep:]
+        if self.local is not None and len(seq.local) > keep:
+            self.local.release(seq, keep)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the head of the waiting queue, to be recomputed."""
         self.running.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks, seq.num_computed, seq.registered, seq.dropped = [], 0, 0, 0
+        if self.local is not None:
+            self.local.release(seq)
         self._drop_state(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -227,6 +247,10 @@ class Scheduler:
             # The last token always runs: its logits give the next token.
             full = (len(seq.tokens) - 1) // self.pool.block_size
             hit = self.pool.lookup(self.keys(seq, full))
+            if self.local is not None:  # the windowed group's window before the hit's end too
+                n, seq.local = self.local.hit(self.keys(seq, full), len(hit))
+                seq.local_dropped = self.local.first_needed(n * self.pool.block_size)
+                hit = hit[:n]
             for block in hit:
                 self.pool.retain(block)
             seq.blocks = list(hit)
@@ -235,6 +259,9 @@ class Scheduler:
         if not self._chunks(seq, self.budget, allow_over=True):
             self.pool.release(seq.blocks)
             seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+            if self.local is not None:
+                self.local.release(seq)
+                seq.local_dropped = 0
             return False
         self.prefix_hits += seq.num_computed
         self.waiting.popleft()
@@ -257,9 +284,13 @@ class Scheduler:
             for i, key in enumerate(self.keys(seq, full)[seq.registered :], seq.registered):
                 if seq.blocks[i] != FREED:
                     self.pool.register(seq.blocks[i], key)
+            if self.local is not None:
+                self.local.register(seq, self.keys(seq, full), seq.registered)
             seq.registered = full
         if self.window is not None:
             self._drop_out_of_window(seq)
+        if self.local is not None:
+            self.local.drop(seq)
 
     def _drop_out_of_window(self, seq: Sequence) -> None:
         """Release the blocks wholly before the window of seq's next query (position

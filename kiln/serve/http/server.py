@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.serve.http.endpoints import chat_completions, completions
 from kiln.serve.http.images import ImageService, image_generations
+from kiln.serve.http.memory_probe import MemoryProbe, frames_from_env
 from kiln.serve.http.openai_schema import ApiError
 from kiln.serve.http.service import ClientGone, ServerOptions, Service
 
@@ -182,6 +183,15 @@ def create_app(
                 "--image-model IMAGE_RUN`", "model", "model_not_found",
             )  # fmt: skip
         return await image_generations(service, images, request)
+
+    frames = frames_from_env()
+    if frames is not None:  # a leak hunt asked for it (memory_probe.py); absent otherwise
+        probe = MemoryProbe(frames)
+
+        @app.get("/debug/memory")
+        async def debug_memory(request: Request) -> dict[str, Any]:
+            service.authorize(request)
+            return await asyncio.to_thread(probe.report)
 
     return app
 

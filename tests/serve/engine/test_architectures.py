@@ -22,6 +22,7 @@ from kiln.serve.engine.block_pool import (
 from kiln.serve.engine.drafters import LookupDrafter
 from kiln.serve.engine.sampling import SamplingParams
 from kiln.serve.engine.state_pool import state_bytes_per_sequence
+from kiln.serve.engine.window_blocks import bound_per_sequence
 from tests.model.helpers import build, llama_small
 from tests.serve.conftest import random_prompts
 from tests.serve.engine.test_engine import alone_and_in_a_crowd, drain
@@ -149,15 +150,52 @@ def test_blocks_out_of_every_window_return_to_the_pool(make_engine) -> None:
     assert out == reference(model, prompts, 40)
 
 
-def test_a_global_layer_keeps_every_block(make_engine) -> None:
+def test_a_mixed_model_frees_its_windowed_blocks_and_its_global_layers_keep_every_one(
+    make_engine,
+) -> None:
     model = build(llama_small(sliding_window=6, window_pattern="LG"))
-    engine = make_engine(model, block_size=4, prefill_chunk=8, prefix_caching=False)
-    prompt = random_prompts(1, 20, 20, 300, seed=14)[0]
-    handle = engine.submit(prompt, SamplingParams(max_tokens=20, temperature=0))
-    while not handle.done:
+    engine = make_engine(model, block_size=4, prefill_chunk=8, max_tokens_per_step=16,
+                         prefix_caching=False)  # fmt: skip
+    assert engine.windowed is not None
+    local = engine.windowed.pool
+    # Its pool is sized to what a window and one step span per sequence, not to the context.
+    assert local.num_blocks == 64 * bound_per_sequence(6, 4, 16 + 4 + 1) < engine.pool.num_blocks
+    assert set(engine.pool.index) == {1} and set(local.index) == {0}
+    prompts = random_prompts(3, 14, 20, 300, seed=14)
+    handles = [engine.submit(p, SamplingParams(max_tokens=40, temperature=0)) for p in prompts]
+    most_held = 0
+    freed_seen = False
+    while not all(h.done for h in handles):
         engine.step()
-        assert all(FREED not in s.blocks for s in engine.scheduler.running)
-    assert handle.result()[0].token_ids == reference(model, [prompt], 20)[0]
+        engine.audit()
+        for seq in engine.scheduler.running:
+            assert FREED not in seq.blocks and len(seq.local) == len(seq.blocks)
+            decoding = seq.decoding and len(seq.tokens) > seq.prompt_len
+            if decoding:  # a window of 6 over blocks of 4: ceil(5 / 4) + 1 = 3 blocks
+                most_held = max(most_held, sum(b != FREED for b in seq.local))
+            freed_seen |= FREED in seq.local
+    assert freed_seen and most_held <= 3
+    assert [h.result()[0].token_ids for h in handles] == reference(model, prompts, 40)
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "fast"])
+def test_a_mixed_model_shares_prefixes_forks_samples_and_recomputes_when_preempted(
+    make_engine, invariant
+) -> None:
+    model = build(llama_small(sliding_window=6, window_pattern="GL"))
+    shared = random_prompts(1, 17, 17, 300, seed=15)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 3, 9, 300, seed=16)]
+    want = reference(model, prompts, 24)
+    # A pool small enough to preempt; prefix caching on; n = 2 forks after the prompt.
+    engine = make_engine(model, block_size=4, prefill_chunk=8, max_tokens_per_step=16,
+                         num_blocks=24, max_num_seqs=4, batch_invariant=invariant)  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0, n=2)
+    first = engine.submit(prompts[0], params)
+    drain(engine, [first])
+    handles = [engine.submit(p, params) for p in prompts[1:]]
+    out = [first.result(), *drain(engine, handles)]
+    assert [[c.token_ids for c in r] for r in out] == [[w, w] for w in want]
+    assert engine.scheduler.prefix_hits > 0 and engine.scheduler.preemptions > 0
 
 
 # ------------------------------------------------------------------------ recurrent layers

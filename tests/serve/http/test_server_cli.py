@@ -209,6 +209,9 @@ def test_serve_quantize_int8_serves_the_quantized_model_and_says_which_kernel_ra
     try:
         report = next(x for x in seen if x.startswith("kiln serve: quantize int8"))
         assert re.search(r"linear layers \(\d+ by (torch\._weight_int8pack_mm|dequantize)", report)
+        # Wherever torch's int8 kernel runs at all, a timed probe chose between it and the
+        # fallback, and the line gives its timings (else it says why the kernel cannot run).
+        assert "timed probe (" in report or "fallback because" in report, report
         body = {"model": "model", "prompt": "Once upon a time", "max_tokens": 8,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
