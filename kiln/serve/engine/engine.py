@@ -560,6 +560,8 @@ class Engine:
                 return h.new_empty(0, self.model.cfg.vocab_size)
             if self.config.batch_invariant:
                 rows += [rows[-1]] * (pad_rows(len(rows), self.config.invariant_rows) - len(rows))
+            elif len(rows) == h.size(1):  # every row samples (a decode step): no gather
+                return self.model.logits(h[0]).float()
             return self.model.logits(h[0, rows]).float()  # (R (+ padding), V)
 
     def _advance(self, sample: _Sample, logits: torch.Tensor) -> int:
