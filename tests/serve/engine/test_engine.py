@@ -61,6 +61,31 @@ def test_sliding_window_model_decodes_exactly(make_engine) -> None:
     assert [c[0].token_ids for c in out] == reference(model, prompts, 12)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_batch_1_fast_path_attends_a_view_of_its_blocks_and_decodes_exactly(
+    window, make_engine, monkeypatch
+) -> None:
+    from kiln.serve.engine import engine as engine_module
+    from tests.model.helpers import build, llama_small
+
+    # With a window, the early steps see every key (the view); later ones (more keys than the
+    # window, then blocks freed behind it) fall back to the masked gather: all decode exactly.
+    model = build(llama_small(block_size=64, sliding_window=window))
+    built = []
+    original = engine_module.PagedStep
+
+    def spy(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(engine_module, "PagedStep", spy)
+    engine = make_engine(model, block_size=4, prefill_chunk=8, batch_invariant=False)
+    prompts = random_prompts(3, 10, 20, 300, seed=7)
+    out = [engine.generate([p], GREEDY)[0][0].token_ids for p in prompts]  # one at a time
+    assert out == reference(model, prompts, 12)
+    assert sum(step.single is not None for step in built) >= 10  # the view path ran
+
+
 def test_preemption_recomputes_and_stays_exact(llama, make_engine) -> None:
     prompts = random_prompts(6, 10, 20, 300, seed=3)
     params = SamplingParams(max_tokens=30, temperature=0)
