@@ -12,7 +12,8 @@ of them. Attention first writes the new keys and values into the block pool, the
   decode or how long the others are, and each query row's softmax is its own row reduction. A
   row's bits therefore do not depend on the rest of the batch (checked per position in the tile
   by tests/serve/engine/test_invariant.py). With invariant=False all decode rows run as one fused SDPA
-  over the longest length instead (fused SDPA is not batch-invariant with 2 threads);
+  over the longest length instead (fused SDPA is not batch-invariant with 2 threads), and a lone
+  decoding sequence whose blocks are consecutive attends a view of the pool: no gather, no mask;
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
   that depend only on the segment (the scheduler cuts chunks at fixed positions).
 
@@ -240,6 +241,15 @@ class PagedStep:
     ) -> Tensor:  # fmt: skip
         """Attention (H, N, Dv) of the packed queries q3 (H, N, D) over the pool's flat keys."""
         H_kv = flat_k.size(0)
+        gqa = q3.size(0) != H_kv
+        if self.single is not None and sinks is None and softcap is None:
+            first, n = self.single
+            if window is None or window >= n:  # every key is visible: no mask, no padding
+                keys = flat_k[None, :, first : first + n]  # (1, H_kv, n, D): a view of the pool
+                values = flat_v[None, :, first : first + n]
+                return F.scaled_dot_product_attention(
+                    q3[None].to(keys.dtype), keys, values, scale=scale, enable_gqa=gqa
+                )[0].to(q3.dtype)  # (H, 1, Dv)  # fmt: skip
         if self.decode_only:
             return self._decode(0, q3, flat_k, flat_v, window, scale, sinks, softcap)
         out = q3.new_zeros(q3.size(0), q3.size(1), flat_v.size(-1))  # padding rows stay zero
@@ -247,7 +257,6 @@ class PagedStep:
             rows, n = self.decode[g][0], self.decode[g][3]
             part = self._decode(g, q3, flat_k, flat_v, window, scale, sinks, softcap)
             out.index_copy_(1, rows[:n], part[:, :n])
-        gqa = q3.size(0) != H_kv
         for i, (_, slots, a, b) in enumerate(self.prefill):
             keys = flat_k.index_select(1, slots).to(q3.dtype)  # (H_kv, S, D)
             values = flat_v.index_select(1, slots).to(q3.dtype)
@@ -279,13 +288,6 @@ class PagedStep:
         rows_q = q3 if self.decode_only else q3.index_select(1, rows)  # decode_only: in order
         query = rows_q.view(H_kv, group, B, D).transpose(1, 2)
         query = query.to(flat_k.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
-        if self.single is not None and not explicit:
-            first, n = self.single
-            if window is None or window >= n:  # every key is visible: no mask, no padding
-                keys = flat_k[:, None, first : first + n]  # (H_kv, 1, n, D): a view
-                values = flat_v[:, None, first : first + n]
-                out = F.scaled_dot_product_attention(query, keys, values, scale=scale)
-                return out.transpose(1, 2).reshape(H, B, Dv).to(q3.dtype)
         idx = slots.view(-1)
         # Batch dims (H_kv, B): the gathered keys are contiguous as they come (a strided batch
         # would let the matmul choose other kernels, and other bits, for other B).
