@@ -45,6 +45,7 @@ from kiln.serve.engine import engine as engine_module
 MODES = {
     "invariant": {"batch_invariant": True},
     "fast": {"batch_invariant": False},
+    "invariant-tile1": {"batch_invariant": True, "invariant_rows": 1},  # batch-1 latency setting
 }
 PHASES = ("schedule", "setup", "forward", "head", "rest")
 
@@ -166,7 +167,7 @@ def hf_step_ms(model: Transformer, batch: int, steps: int) -> float:
 def main() -> int:
     """Print the phase table and the profiles of every mode at every batch size."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--modes", default="invariant,fast", help=",".join(MODES))
+    ap.add_argument("--modes", default="invariant,invariant-tile1,fast", help=",".join(MODES))
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per measurement")
     ap.add_argument("--top", type=int, default=15, help="ops shown per profile")

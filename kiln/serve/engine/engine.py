@@ -93,7 +93,7 @@ class EngineConfig:
     max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
     prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
-    invariant_rows: int = ROWS  # the fixed row tile of every matmul when batch_invariant
+    invariant_rows: int = ROWS  # the fixed row tile of every matmul (1: batch-1 latency)
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
     speculative_k: int = 4  # with a drafter: draft tokens checked per sequence per step
     speculative_max_batch: int = 8  # with a drafter: speculate only when this many decode or fewer

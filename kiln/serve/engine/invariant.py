@@ -21,7 +21,8 @@ Guarantee: bitwise-equal logits rows for a seeded request alone or in any batch,
 1 and 2 threads, verified with torch 2.13 / MKL 2024.2 / oneDNN 3.12 under default and capped
 ISAs and MKL_CBWR=COMPATIBLE (docs/engine.md). Cost: decode at batch 1 does 16 rows of GEMM
 work for one token (0.40x the fast path, measured quiet on the demo-size model); at batch 32
-0.68x (bench/RESULTS.md, "Quiet re-measurement").
+0.68x (bench/RESULTS.md, "Quiet re-measurement"). A 1-row tile (`invariant_rows=1`: one GEMV
+per row, as invariant) halves the batch-1 cost and slows batch 32 (docs/engine.md).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_concurrent_requests_hold_shared_prefix_blocks_together(llama, make_engi
     assert [c[0].token_ids for c in out] == reference(llama, prompts, 12)
 
 
-def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
+def alone_and_in_a_crowd(model, make_engine, **config) -> tuple[tuple, tuple]:
     """A seeded request's (tokens, logits rows, logprobs) alone and amid others joining."""
     prompt = random_prompts(1, 21, 21, 300, seed=7)[0]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=123, logprobs=3)
@@ -131,7 +131,7 @@ def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
         rows: list[torch.Tensor] = []
         spy = SamplingParams(**{**params.__dict__, "logits_processors": (record(rows),)})
         engine = make_engine(model, block_size=4, prefill_chunk=8, max_tokens_per_step=20,
-                             prefix_caching=False)  # fmt: skip
+                             prefix_caching=False, **config)  # fmt: skip
         others = random_prompts(9, 1, 35, 300, seed=8)
         handles = []
         if crowd:  # others first, so ours joins a busy batch and shares its steps with prefills
@@ -148,11 +148,15 @@ def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
     return run(False), run(True)
 
 
+@pytest.mark.parametrize("rows", [16, 1], ids=["tile16", "tile1"])
 @pytest.mark.parametrize("threads", thread_counts())
-def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine, threads) -> None:
-    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step."""
+def test_seeded_request_is_bitwise_independent_of_the_batch(
+    llama, make_engine, threads, rows
+) -> None:
+    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step
+    (with the default 16-row tiles, and with 1-row tiles, the batch-1 latency setting)."""
     torch.set_num_threads(threads)
-    alone, crowd = alone_and_in_a_crowd(llama, make_engine)
+    alone, crowd = alone_and_in_a_crowd(llama, make_engine, invariant_rows=rows)
     assert alone[0] == crowd[0]
     assert len(alone[1]) == len(crowd[1]) == 16
     assert all(torch.equal(x, y) for x, y in zip(alone[1], crowd[1], strict=True))
