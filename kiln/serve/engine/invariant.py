@@ -22,7 +22,7 @@ Guarantee: bitwise-equal logits rows for a seeded request alone or in any batch,
 ISAs and MKL_CBWR=COMPATIBLE (docs/engine.md). Cost: decode at batch 1 does 16 rows of GEMM
 work for one token (0.40x the fast path, measured quiet on the demo-size model); at batch 32
 0.68x (bench/RESULTS.md, "Quiet re-measurement"). A 1-row tile (`invariant_rows=1`: one GEMV
-per row, as invariant) halves the batch-1 cost and slows batch 32 (docs/engine.md).
+per row, as invariant) cuts a batch-1 step by about a third and slows batch 32 (docs/engine.md).
 """
 
 from __future__ import annotations
