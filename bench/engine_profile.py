@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -160,8 +161,10 @@ def hf_step_ms(model: Transformer, batch: int, steps: int) -> float:
         return time.thread_time() - t
 
     run(4)
-    # The difference of two lengths leaves out the prefill and generate's set-up.
-    return (run(2 * steps + 1) - run(steps + 1)) * 1e3 / steps
+    # The difference of two lengths leaves out the prefill and generate's set-up; at least 16
+    # steps apart and the median of 3, or a few steps' difference drowns in the noise.
+    n = max(steps, 16)
+    return statistics.median(run(n + 8) - run(8) for _ in range(3)) * 1e3 / n
 
 
 def main() -> int:
