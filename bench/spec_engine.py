@@ -15,11 +15,17 @@ requests submitted at once. Configurations, each on a fresh engine with batch_in
               tokens per target forward, and what drafting with a model as large as the
               target costs
 
+With `--target RUN --draft RUN` (trained models, e.g. the demo run and a small drafter trained
+or distilled on its data) the target is that run's model and the prompts are the first 32 tokens
+of TinyStories validation stories (bench/distill_draft.py's); the configurations are then plain,
+ngram, draft (the draft run's model) and draft+always.
+
 Greedy outputs are checked equal to the plain engine's. Every configuration runs once per round,
 interleaved, so load from other processes hits all alike; the median round is reported. A start
 load above 1.5 means the numbers are noise: the script refuses unless --noisy.
 
     .venv/bin/python bench/spec_engine.py --noisy --rounds 1
+    .venv/bin/python bench/spec_engine.py --target runs/demo --draft runs/draft   # ~4 min quiet
 """
 
 from __future__ import annotations
@@ -53,24 +59,29 @@ def prompts(n: int, vocab: int, length: int = 48, seed: int = 0) -> list[list[in
     return out
 
 
-def drafter(name: str, model: Transformer) -> Any:
-    """The drafter a configuration name stands for (None: plain)."""
+def drafter(name: str, model: Transformer, draft: Any = None) -> Any:
+    """The drafter a configuration name stands for (None: plain); draft: --draft's loaded run."""
     if name == "plain":
         return None
     name = name.removesuffix("+always")
     if name == "ngram":
         return LookupDrafter()
+    if name == "draft":
+        if draft is None:
+            raise SystemExit("--drafters: 'draft' needs --draft RUN")
+        return ModelDrafter(draft.model, draft.autocast, name="draft")
     layers = model.cfg.n_layer if name == "self:all" else int(name.split(":")[1])
     return ModelDrafter(truncated(model, layers), name=name)
 
 
-def run(model: Transformer, name: str, batch: int, new: int, k: int) -> dict[str, Any]:
-    """One configuration at one batch size: decode tokens/s, acceptance, outputs."""
-    ps = prompts(batch, model.cfg.vocab_size)
+def run(model: Transformer, name: str, ps: list[list[int]], new: int, k: int,
+        draft: Any = None, autocast: Any = None) -> dict[str, Any]:  # fmt: skip
+    """One configuration on the prompts ps (one request each): decode tokens/s, acceptance."""
+    batch = len(ps)
     config = EngineConfig(batch_invariant=False, max_num_seqs=max(batch, 1), speculative_k=k,
                           speculative_max_batch=1 << 20 if name.endswith("+always") else 8,
                           prefix_caching=False)  # fmt: skip
-    engine = Engine(model, None, config, drafter=drafter(name, model))
+    engine = Engine(model, None, config, autocast=autocast, drafter=drafter(name, model, draft))
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     # Prefill first (one step per request's prompt), then time the decode alone.
     handles = [engine.submit(p, params) for p in ps]
@@ -96,24 +107,50 @@ def main() -> int:
     """Run every configuration per batch size; print the table and write the JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batches", default="1,4,32")
-    p.add_argument("--drafters", default="plain,ngram,ngram+always,self:1,self:all")
+    p.add_argument("--drafters", help="default: plain,ngram,ngram+always,self:1,self:all; "
+                   "with --draft: plain,ngram,draft,draft+always")  # fmt: skip
+    p.add_argument("--target", type=Path, help="a trained run as the target (with --draft)")
+    p.add_argument("--draft", type=Path, help="a trained run as the draft model (with --target)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     add_noisy_flag(p)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
+    if (args.target is None) != (args.draft is None):
+        p.error("--target and --draft go together: give both runs, or neither")
+    batches = [int(b) for b in args.batches.split(",")]
     measured = begin("bench/spec_engine.py", args.noisy)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Transformer(model_config("demo")).eval()
-    names = args.drafters.split(",")
+    draft = autocast = stories = None
+    if args.target is not None:
+        from bench.distill_draft import prompts as story_prompts
+        from kiln.loading import load_model
+
+        target = load_model(args.target, dtype="fp32")
+        draft = load_model(args.draft, dtype="fp32")
+        model, autocast = target.model, target.autocast
+        stories = story_prompts(target.tokenizer, max(batches))
+        if len(stories) < max(batches):
+            raise SystemExit(f"only {len(stories)} TinyStories prompts of 32 tokens were found")
+        print(f"# target {args.target} ({model.cfg.num_params() / 1e6:.1f}M), draft "
+              f"{args.draft} ({draft.model.cfg.num_params() / 1e6:.1f}M), TinyStories prompts")  # fmt: skip
+    else:
+        model = Transformer(model_config("demo")).eval()
+    default = (
+        "plain,ngram,draft,draft+always" if draft else "plain,ngram,ngram+always,self:1,self:all"
+    )
+    names = (args.drafters or default).split(",")
+    if "plain" not in names:
+        p.error("--drafters must include plain (the baseline of every ratio)")
     results: dict[str, dict[str, Any]] = {}
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in batches:
+        ps = stories[:batch] if stories else prompts(batch, model.cfg.vocab_size)
         rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for _ in range(args.rounds):
             for name in names:
-                rounds[name].append(run(model, name, batch, args.new_tokens, args.k))
+                rounds[name].append(run(model, name, ps, args.new_tokens, args.k, draft, autocast))
         base = statistics.median(r["tok_s"] for r in rounds["plain"])
         for name in names:
             r = rounds[name]

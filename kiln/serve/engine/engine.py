@@ -95,7 +95,7 @@ class EngineConfig:
     max_waiting: int = 4096  # submit raises EngineFull beyond this many queued requests
     prefix_caching: bool = True  # share block-aligned prompt prefixes between requests
     batch_invariant: bool = True  # fixed-shape matmul tiles: logits independent of the batch
-    invariant_rows: int = ROWS  # the fixed row tile of every matmul when batch_invariant
+    invariant_rows: int = ROWS  # the fixed row tile of every matmul (1: batch-1 latency)
     default_kv_bytes: int = 1 << 30  # pool memory when neither num_blocks nor kv_cache_bytes
     speculative_k: int = 4  # with a drafter: draft tokens checked per sequence per step
     speculative_max_batch: int = 8  # with a drafter: speculate only when this many decode or fewer
@@ -574,6 +574,8 @@ class Engine:
                 return h.new_empty(0, self.model.cfg.vocab_size)
             if self.config.batch_invariant:
                 rows += [rows[-1]] * (pad_rows(len(rows), self.config.invariant_rows) - len(rows))
+            elif len(rows) == h.size(1):  # every row samples (a decode step): no gather
+                return self.model.logits(h[0]).float()
             return self.model.logits(h[0, rows]).float()  # (R (+ padding), V)
 
     def _advance(self, sample: _Sample, logits: torch.Tensor) -> int:

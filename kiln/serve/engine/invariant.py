@@ -21,11 +21,13 @@ Guarantee: bitwise-equal logits rows for a seeded request alone or in any batch,
 1 and 2 threads, verified with torch 2.13 / MKL 2024.2 / oneDNN 3.12 under default and capped
 ISAs and MKL_CBWR=COMPATIBLE (docs/engine.md). Cost: decode at batch 1 does 16 rows of GEMM
 work for one token (0.40x the fast path, measured quiet on the demo-size model); at batch 32
-0.68x (bench/RESULTS.md, "Quiet re-measurement").
+0.68x (bench/RESULTS.md, "Quiet re-measurement"). A 1-row tile (`invariant_rows=1`: one GEMV
+per row, as invariant) cuts a batch-1 step by about a third and slows batch 32 (docs/engine.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,10 +47,21 @@ def pad_rows(n: int, rows: int) -> int:
 
 
 def _tiles(x: Tensor, rows: int) -> Tensor:
-    """x (N, K) copied into a fresh zero buffer of whole tiles (pad_rows(N), K)."""
-    buf = x.new_zeros(pad_rows(x.size(0), rows), x.size(1))  # fresh: 64-byte aligned
-    buf[: x.size(0)] = x
+    """x (N, K) as whole tiles (pad_rows(N), K), 64-byte aligned: x itself when it already is
+    (the engine pads its rows to whole tiles), else a fresh zero buffer with x copied in."""
+    n = x.size(0)
+    if n and n % rows == 0 and x.is_contiguous() and x.data_ptr() % 64 == 0:
+        return x  # the very call a copy would make: same shape, strides and alignment
+    buf = x.new_zeros(pad_rows(n, rows), x.size(1))  # fresh: 64-byte aligned
+    buf[:n] = x
     return buf
+
+
+def _per_tile(buf: Tensor, rows: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """fn applied to each (rows, K) tile of buf, the results stacked (one tile: no copy)."""
+    if len(buf) == rows:
+        return fn(buf)
+    return torch.cat([fn(buf[i : i + rows]) for i in range(0, len(buf), rows)])
 
 
 def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows: int = ROWS) -> Tensor:
@@ -56,8 +69,7 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows: in
     lead, K = x.shape[:-1], x.size(-1)
     flat = x.reshape(-1, K)  # (N, K)
     n = flat.size(0)
-    buf = _tiles(flat, rows)
-    out = torch.cat([F.linear(buf[i : i + rows], weight, bias) for i in range(0, len(buf), rows)])
+    out = _per_tile(_tiles(flat, rows), rows, lambda tile: F.linear(tile, weight, bias))
     return out[:n].view(*lead, out.size(-1))  # (..., N_out)
 
 
@@ -65,8 +77,7 @@ def tiled_matmul(a: Tensor, b: Tensor, rows: int = ROWS) -> Tensor:
     """a (..., K) @ b (K, N) computed one (rows, K) tile of a's rows at a time."""
     lead = a.shape[:-1]
     flat = a.reshape(-1, a.size(-1))
-    buf = _tiles(flat, rows)
-    out = torch.cat([buf[i : i + rows] @ b for i in range(0, len(buf), rows)])
+    out = _per_tile(_tiles(flat, rows), rows, lambda tile: tile @ b)
     return out[: flat.size(0)].view(*lead, b.size(-1))
 
 

@@ -12,7 +12,8 @@ of them. Attention first writes the new keys and values into the block pool, the
   decode or how long the others are, and each query row's softmax is its own row reduction. A
   row's bits therefore do not depend on the rest of the batch (checked per position in the tile
   by tests/serve/engine/test_invariant.py). With invariant=False all decode rows run as one fused SDPA
-  over the longest length instead (fused SDPA is not batch-invariant with 2 threads);
+  over the longest length instead (fused SDPA is not batch-invariant with 2 threads), and a lone
+  decoding sequence whose blocks are consecutive attends a view of the pool: no gather, no mask;
 - each multi-token (prefill) segment attends alone, SDPA over its gathered blocks, with shapes
   that depend only on the segment (the scheduler cuts chunks at fixed positions).
 
@@ -104,8 +105,9 @@ class PagedStep:
         blocks.extend([pool.scratch_block] * pad_tokens)
         pos = torch.tensor(positions, dtype=torch.long)
         self.positions = pos[None].to(device)  # (1, N)
-        self.slot_block = torch.tensor(blocks, dtype=torch.long, device=device)  # (N,)
-        self.slot_offset = (pos % bs).to(device)  # (N,)
+        # One flat pool slot per token: a single-index copy is cheaper than (block, offset).
+        slot = torch.tensor(blocks, dtype=torch.long) * bs + pos % bs
+        self.slot = slot.to(device)  # (N,)
         self.prefill: list[tuple[Segment, Tensor, int, int]] = []  # segment, slots, rows a:b
         decode_rows: list[int] = []
         decode: list[Segment] = []
@@ -152,6 +154,18 @@ class PagedStep:
             slots = slots.masked_fill(torch.arange(width)[None] >= ends[:, None], pool.zero_slot)
             rows = torch.tensor(rows_of, dtype=torch.long)
             self.decode.append((rows.to(device), slots.to(device), ends.to(device), len(group)))
+        # A step of decode rows alone, in packed order (the fast path): attention's output is
+        # the one group's, its queries are q as it comes, and no zeroed buffer is filled.
+        self.decode_only = (not invariant and not self.prefill and pad_tokens == 0
+                            and len(self.decode) == 1)  # fmt: skip
+        # One decoding sequence (batch 1, fast path): its keys are exactly its own (no padding,
+        # no mask), read as a view of the pool when its blocks are consecutive.
+        self.single: tuple[int, int] | None = None  # (first slot, key count)
+        if self.decode_only and len(decode) == 1:
+            seg = decode[0]
+            used = seg.table[: -(-seg.end // bs)]
+            if all(b == used[0] + j for j, b in enumerate(used)):
+                self.single = (used[0] * bs, seg.end)
         self._masks: dict[tuple[int, int | None], Tensor | None] = {}
         self._valid: dict[tuple[int, int | None], Tensor] = {}
 
@@ -200,10 +214,10 @@ class PagedStep:
         with torch._C.DisableTorchFunction():
             i = self.pool.index[layer]
             pk, pv = self.pool.k[i], self.pool.v[i]  # (H_kv, num_blocks, bs, D)
-            pk[:, self.slot_block, self.slot_offset] = k[0].to(pk.dtype)
-            pv[:, self.slot_block, self.slot_offset] = v[0].to(pv.dtype)
             H_kv, D = pk.size(0), pk.size(-1)
             flat_k, flat_v = pk.view(H_kv, -1, D), pv.view(H_kv, -1, D)
+            flat_k.index_copy_(1, self.slot, k[0] if k.dtype == pk.dtype else k[0].to(pk.dtype))
+            flat_v.index_copy_(1, self.slot, v[0] if v.dtype == pv.dtype else v[0].to(pv.dtype))
             return self._attend(q[0], flat_k, flat_v, window, scale, sinks, softcap)[None]
 
     def attend_latent(
@@ -218,8 +232,8 @@ class PagedStep:
             return self.local.attend_latent(layer, q, kv, v_dim, window, scale=scale, sinks=sinks)
         with torch._C.DisableTorchFunction():
             pk = self.pool.k[self.pool.index[layer]]  # (1, num_blocks, bs, R + r)
-            pk[:, self.slot_block, self.slot_offset] = kv[0].to(pk.dtype)
             flat_k = pk.view(1, -1, pk.size(-1))
+            flat_k.index_copy_(1, self.slot, kv[0].to(pk.dtype))
             flat_v = flat_k[..., :v_dim]
             return self._attend(q[0], flat_k, flat_v, window, scale, sinks, None)[None]
 
@@ -235,12 +249,22 @@ class PagedStep:
     ) -> Tensor:  # fmt: skip
         """Attention (H, N, Dv) of the packed queries q3 (H, N, D) over the pool's flat keys."""
         H_kv = flat_k.size(0)
+        gqa = q3.size(0) != H_kv
+        if self.single is not None and sinks is None and softcap is None:
+            first, n = self.single
+            if window is None or window >= n:  # every key is visible: no mask, no padding
+                keys = flat_k[None, :, first : first + n]  # (1, H_kv, n, D): a view of the pool
+                values = flat_v[None, :, first : first + n]
+                return F.scaled_dot_product_attention(
+                    q3[None].to(keys.dtype), keys, values, scale=scale, enable_gqa=gqa
+                )[0].to(q3.dtype)  # (H, 1, Dv)  # fmt: skip
+        if self.decode_only:
+            return self._decode(0, q3, flat_k, flat_v, window, scale, sinks, softcap)
         out = q3.new_zeros(q3.size(0), q3.size(1), flat_v.size(-1))  # padding rows stay zero
         for g in range(len(self.decode)):
             rows, n = self.decode[g][0], self.decode[g][3]
             part = self._decode(g, q3, flat_k, flat_v, window, scale, sinks, softcap)
             out.index_copy_(1, rows[:n], part[:, :n])
-        gqa = q3.size(0) != H_kv
         for i, (_, slots, a, b) in enumerate(self.prefill):
             keys = flat_k.index_select(1, slots).to(q3.dtype)  # (H_kv, S, D)
             values = flat_v.index_select(1, slots).to(q3.dtype)
@@ -267,16 +291,17 @@ class PagedStep:
         B, S = slots.shape
         H, D = q3.size(0), q3.size(-1)
         H_kv, Dv = flat_k.size(0), flat_v.size(-1)
+        group = H // H_kv
+        explicit = sinks is not None or softcap is not None
+        rows_q = q3 if self.decode_only else q3.index_select(1, rows)  # decode_only: in order
+        query = rows_q.view(H_kv, group, B, D).transpose(1, 2)
+        query = query.to(flat_k.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
         idx = slots.view(-1)
         # Batch dims (H_kv, B): the gathered keys are contiguous as they come (a strided batch
         # would let the matmul choose other kernels, and other bits, for other B).
         keys = flat_k.index_select(1, idx).view(H_kv, B, S, D)
         values = flat_v.index_select(1, idx).view(H_kv, B, S, Dv)
         valid = self._decode_valid(g, window)[None, :, None, :]  # (1, B, 1, S); padding: zeros
-        group = H // H_kv
-        query = q3.index_select(1, rows).view(H_kv, group, B, D).transpose(1, 2)
-        query = query.to(keys.dtype).contiguous()  # (H_kv, B, g, D): each KV head's queries
-        explicit = sinks is not None or softcap is not None
         if not self.invariant and not explicit:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid, scale=scale)
         else:

@@ -61,6 +61,31 @@ def test_sliding_window_model_decodes_exactly(make_engine) -> None:
     assert [c[0].token_ids for c in out] == reference(model, prompts, 12)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_batch_1_fast_path_attends_a_view_of_its_blocks_and_decodes_exactly(
+    window, make_engine, monkeypatch
+) -> None:
+    from kiln.serve.engine import engine as engine_module
+    from tests.model.helpers import build, llama_small
+
+    # With a window, the early steps see every key (the view); later ones (more keys than the
+    # window, then blocks freed behind it) fall back to the masked gather: all decode exactly.
+    model = build(llama_small(block_size=64, sliding_window=window))
+    built = []
+    original = engine_module.PagedStep
+
+    def spy(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(engine_module, "PagedStep", spy)
+    engine = make_engine(model, block_size=4, prefill_chunk=8, batch_invariant=False)
+    prompts = random_prompts(3, 10, 20, 300, seed=7)
+    out = [engine.generate([p], GREEDY)[0][0].token_ids for p in prompts]  # one at a time
+    assert out == reference(model, prompts, 12)
+    assert sum(step.single is not None for step in built) >= 10  # the view path ran
+
+
 def test_preemption_recomputes_and_stays_exact(llama, make_engine) -> None:
     prompts = random_prompts(6, 10, 20, 300, seed=3)
     params = SamplingParams(max_tokens=30, temperature=0)
@@ -97,7 +122,7 @@ def test_concurrent_requests_hold_shared_prefix_blocks_together(llama, make_engi
     assert [c[0].token_ids for c in out] == reference(llama, prompts, 12)
 
 
-def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
+def alone_and_in_a_crowd(model, make_engine, **config) -> tuple[tuple, tuple]:
     """A seeded request's (tokens, logits rows, logprobs) alone and amid others joining."""
     prompt = random_prompts(1, 21, 21, 300, seed=7)[0]
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=123, logprobs=3)
@@ -106,7 +131,7 @@ def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
         rows: list[torch.Tensor] = []
         spy = SamplingParams(**{**params.__dict__, "logits_processors": (record(rows),)})
         engine = make_engine(model, block_size=4, prefill_chunk=8, max_tokens_per_step=20,
-                             prefix_caching=False)  # fmt: skip
+                             prefix_caching=False, **config)  # fmt: skip
         others = random_prompts(9, 1, 35, 300, seed=8)
         handles = []
         if crowd:  # others first, so ours joins a busy batch and shares its steps with prefills
@@ -123,11 +148,15 @@ def alone_and_in_a_crowd(model, make_engine) -> tuple[tuple, tuple]:
     return run(False), run(True)
 
 
+@pytest.mark.parametrize("rows", [16, 1], ids=["tile16", "tile1"])
 @pytest.mark.parametrize("threads", thread_counts())
-def test_seeded_request_is_bitwise_independent_of_the_batch(llama, make_engine, threads) -> None:
-    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step."""
+def test_seeded_request_is_bitwise_independent_of_the_batch(
+    llama, make_engine, threads, rows
+) -> None:
+    """fp32 on CPU: the same logits rows and tokens alone and amid others joining at any step
+    (with the default 16-row tiles, and with 1-row tiles, the batch-1 latency setting)."""
     torch.set_num_threads(threads)
-    alone, crowd = alone_and_in_a_crowd(llama, make_engine)
+    alone, crowd = alone_and_in_a_crowd(llama, make_engine, invariant_rows=rows)
     assert alone[0] == crowd[0]
     assert len(alone[1]) == len(crowd[1]) == 16
     assert all(torch.equal(x, y) for x, y in zip(alone[1], crowd[1], strict=True))

@@ -117,6 +117,37 @@ def test_the_draft_models_blocks_follow_rollbacks_and_finish_clean(llama, make_s
     assert not drafter.seqs
 
 
+class RecordingDrafter(ModelDrafter):
+    """A ModelDrafter that keeps every context it was asked about and what it proposed."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, requests):
+        out = super().propose(requests)
+        self.calls += [(list(ctx), list(p)) for (_, ctx, _), p in zip(requests, out, strict=True)]
+        return out
+
+
+def test_every_draft_is_the_draft_models_own_greedy_continuation_across_rejections(
+    llama, make_spec
+) -> None:
+    # The target drafting for itself, with a presence penalty the draft does not apply: the
+    # target turns away from the draft's argmax now and then, so drafts are rejected and the
+    # draft model's cache must roll back to each new context (keys, values and positions).
+    drafter = RecordingDrafter(llama)
+    prompts = repetitive_prompts(3, seed=5)
+    engine = make_spec(llama, drafter, block_size=4, prefill_chunk=8, speculative_k=4)
+    params = SamplingParams(max_tokens=24, temperature=0, presence_penalty=1.5)
+    engine.generate(prompts, params)
+    stats = engine.stats()
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # kept some, rejected some
+    assert len(drafter.calls) > 10
+    for ctx, proposal in drafter.calls:
+        assert proposal == generate(llama, [ctx], len(proposal), temperature=0.0)[0], len(ctx)
+
+
 def test_stop_tokens_inside_accepted_drafts_end_the_output_there(llama, make_spec) -> None:
     prompt = repetitive_prompts(1, seed=2)[0]
     free = reference(llama, [prompt], 24)[0]
