@@ -292,7 +292,7 @@ def export_gguf(
 
 
 def describe_gguf(result: GGUFResult) -> str:
-    """One line for the CLI: what was written."""
+    """What was written, for the CLI: one line (two for q4_k_m: its types and fallbacks)."""
     chat = ", chat template" if result.chat_template else ""
     line = (
         f"kiln export: {result.out} ({result.arch}, {result.quant}, {result.tensors} tensors, "

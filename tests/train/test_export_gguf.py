@@ -170,6 +170,12 @@ def test_bad_requests_are_refused_in_one_line(
     err = capsys.readouterr().err
     assert "--quant 'q4_k_s': expected one of" in err and "q4_k_m" in err and not out.exists()
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # The tiny model's rows (64) hold no K-quant block: every matrix falls back, and says so.
+    assert main(["export", str(run), "--gguf", str(out), "--quant", "q4_k_m"]) == 0
+    said = capsys.readouterr().out
+    assert "llama, q4_k_m" in said and "rows not a multiple of 256 fell back" in said
+    assert "blk.*.attn_q.weight (64 columns) Q4_K->Q5_0 x2" in said
+    out.unlink()
     assert main(["export", str(run), "--gguf", str(out)]) == 0
     before = out.read_bytes()
     assert main(["export", str(run), "--gguf", str(out)]) != 0
