@@ -29,6 +29,7 @@ spread wide (weights drawn at std 0.3) to keep such ties rare.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gzip
 from pathlib import Path
@@ -45,7 +46,7 @@ from kiln.tokenizer import Tokenizer
 from kiln.train.config import load_train_config
 from kiln.train.export_gguf import export_gguf
 from kiln.train.trainer import Trainer
-from tests.fixtures import EOT, require_shared
+from tests.fixtures import EOT, require_shared, single_torch_thread
 
 from .conftest import CONFIGS, SHARED_DATA
 
@@ -281,8 +282,11 @@ def trained_256(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
          "train.max_steps=300", "checkpoint.every=300", "eval.every=300", "logging.every=300",
          "model.n_embd=256", "model.ff_multiple=256", "model.block_size=256"],
     )  # fmt: skip
-    trainer = Trainer(cfg, run)
-    trainer.run()
+    # A module fixture runs before the per-test one-thread fixture: without this, torch's
+    # default threads fight the machine's other work (measured 800 s instead of about 60).
+    with contextlib.contextmanager(single_torch_thread)():
+        trainer = Trainer(cfg, run)
+        trainer.run()
     return trainer.model.eval()
 
 
