@@ -1,11 +1,13 @@
 """kiln's GGUF exports in llama.cpp beside kiln itself: greedy parity and bits per byte.
 
-A trained run is exported with `kiln export --gguf` at f32, f16, q8_0 and q4_0; llama.cpp
+A trained run is exported with `kiln export --gguf` at f32, f16, q8_0, q4_0 and q4_k_m
+(llama.cpp's Q4_K/Q6_K mixture, quantized by kiln itself); llama.cpp
 (llama-cpp-python) and kiln then score the very same token windows of TinyStories valid (the
 first --docs stories, as one stream in --window-token windows, each window's first token not
 scored), so their bits per byte compare directly: llama.cpp's f32/f16/q8_0/q4_0 against kiln's
-fp32, int8 (per-row) and int4 (groups of 32, q4_0's block), with the head quantized too where it
-is the (quantized) tied embedding, as in the GGUF files. Greedy agreement: --prompts story
+fp32, int8 (per-row) and int4 (groups of 32, q4_0's block; also beside q4_k_m), with the head
+quantized too where it is the (quantized) tied embedding, as in the GGUF files; every row also
+has its ratio to kiln fp32 and the file's bytes per parameter. Greedy agreement: --prompts story
 openings, --new-tokens each, kiln fp32 generate against each llama.cpp file.
 
     .venv/bin/python bench/gguf_parity.py --model runs/demo-<stamp>        # about a minute on the demo
@@ -39,7 +41,7 @@ from kiln.tokenizer.special import EOT
 from kiln.train.export_gguf import export_gguf
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-QUANTS = ("f32", "f16", "q8_0", "q4_0")
+QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
 
 
 def stories(n: int) -> list[str]:
@@ -123,14 +125,15 @@ def main() -> None:
         print(f"  kiln {name}: {kiln_rows[name]:.4f} bpb, greedy equal to fp32 on {same}/"
               f"{len(prompts)} prompts ({time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
 
-    print("\n| weights | llama.cpp bpb | kiln (same bits) bpb | llama ÷ kiln | "
-          "greedy prompts equal to kiln fp32 | file MB |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("\n| weights | llama.cpp bpb | kiln (same bits) bpb | llama ÷ kiln | llama ÷ kiln fp32 | "
+          "greedy prompts equal to kiln fp32 | file MB | bytes/param |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    n_params = sum(p.numel() for p in model.parameters())
     # The GGUF files quantize the embedding too, which is the head when it is tied: so the
     # quantized files are set beside kiln's variants with the head quantized.
     head = "+head" if cfg.tie_embeddings else ""
     pairs = {"f32": "fp32", "f16": "fp32", "q8_0": f"int8 {head}".strip(),
-             "q4_0": f"int4 g32 {head}".strip()}  # fmt: skip
+             "q4_0": f"int4 g32 {head}".strip(), "q4_k_m": f"int4 g32 {head}".strip()}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for quant in QUANTS:
             path = Path(tmp) / f"{quant}.gguf"
@@ -142,7 +145,8 @@ def main() -> None:
             llm.close()
             k = kiln_rows[pairs[quant]]
             print(f"| {quant} | {bpb:.4f} | {pairs[quant]}: {k:.4f} | {bpb / k:.4f} | "
-                  f"{same}/{len(prompts)} | {written.bytes / 1e6:.1f} |", flush=True)  # fmt: skip
+                  f"{bpb / kiln_rows['fp32']:.4f} | {same}/{len(prompts)} | "
+                  f"{written.bytes / 1e6:.1f} | {written.bytes / n_params:.3f} |", flush=True)  # fmt: skip
     print(measured.line())
 
 

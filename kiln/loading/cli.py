@@ -18,6 +18,7 @@ EXPORT_EXAMPLES = """examples:
   kiln export runs/demo --hf exports/demo --tokenizer data/tok.json
   kiln export runs/demo --gguf exports/demo.gguf                # f16, for llama.cpp
   kiln export runs/demo --gguf exports/demo-q8.gguf --quant q8_0
+  kiln export runs/demo --gguf exports/demo-q4km.gguf --quant q4_k_m   # llama.cpp's Q4_K_M mix
   kiln sample exports/demo --prompt 'Once upon a time'
 
 then, in Python:
@@ -48,7 +49,7 @@ def register(sub: Any) -> None:
     out.add_argument("--gguf", metavar="OUT.gguf", help="output GGUF file (for llama.cpp)")
     p.add_argument(
         "--quant", default=None, metavar="TYPE",
-        help="GGUF weight type: f32, f16 (default), q8_0, q4_0 (q4_k_m is refused)",
+        help="GGUF weight type: f32, f16 (default), q8_0, q4_0, q4_k_m (llama.cpp's Q4_K/Q6_K mix)",
     )  # fmt: skip
     p.add_argument("--step", type=int, help="checkpoint step to export (default: latest)")
     add_tokenizer_option(p, default="the one the run's dataset manifest names")
@@ -111,7 +112,7 @@ def _run_gguf_export(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.run, args.step, args.tokenizer, weights_too=True)
     result = export_gguf(
         loaded.model, loaded.tokenizer, loaded.eot_token, args.gguf, args.quant or "f16",
-        args.force, name=_run_name(Path(loaded.run)),
+        args.force, name=_run_name(Path(loaded.run)), progress=True,
     )  # fmt: skip
     print(describe_gguf(result))
     return 0

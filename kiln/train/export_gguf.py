@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,11 @@ from kiln.model.hf.convert import config_to_hf
 from kiln.model.transformer import Transformer
 from kiln.tokenizer.byte_unicode import bytes_to_token_string
 from kiln.tokenizer.tokenizer import Tokenizer
+from kiln.train.gguf_mixture import Fallback, describe_plan, encode, q4_k_m_plan
 
-# f32 and f16 keep every matrix; q8_0 and q4_0 are gguf's own quantizers (32-weight blocks).
-QUANTS = ("f32", "f16", "q8_0", "q4_0")
-REFUSED_QUANTS = {
-    "q4_k_m": "the gguf package has no Q4_K quantizer (it only reads K-quants); use --quant q4_0,"
-    " or llama.cpp's llama-quantize on an f16 export",
-}
+# f32 and f16 keep every matrix; q8_0 and q4_0 are gguf's own quantizers (32-weight blocks);
+# q4_k_m is llama.cpp's Q4_K / Q6_K mixture, quantized by kiln.quant.kquants (kiln.train.gguf_mixture).
+QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_k_m")
 # Token types as llama.cpp reads them (gguf.TokenType): 1 normal, 3 control, 5 unused.
 NORMAL, CONTROL, UNUSED = 1, 3, 5
 
@@ -54,12 +52,12 @@ class GGUFResult:
     vocab: int
     bytes: int
     chat_template: bool
+    types: dict[str, str] = field(default_factory=dict)  # tensor name -> GGML type written
+    fallbacks: list[Fallback] = field(default_factory=list)  # q4_k_m rows not a multiple of 256
 
 
 def check_quant(quant: str) -> None:
     """Refuse, in one line, a --quant value kiln does not write."""
-    if quant in REFUSED_QUANTS:
-        raise KilnError(f"--quant {quant}: {REFUSED_QUANTS[quant]}")
     if quant not in QUANTS:
         raise KilnError(f"--quant {quant!r}: expected one of {', '.join(QUANTS)}")
 
@@ -208,18 +206,33 @@ def _add_hparams(w: Any, cfg: ModelConfig, arch: str) -> None:
     w.add_value_length(cfg.head_size)
 
 
-def _stored(gguf: Any, array: np.ndarray, quant: str) -> tuple[np.ndarray, Any]:
-    """The array as written (1-D tensors stay f32, as llama.cpp's converter keeps them)."""
-    q = gguf.GGMLQuantizationType
-    if array.ndim == 1 or quant == "f32":
-        return array.astype(np.float32), q.F32
-    if quant == "f16" or array.shape[-1] % 32:  # a row that does not fill whole blocks
-        return array.astype(np.float16), q.F16
-    qtype = q.Q8_0 if quant == "q8_0" else q.Q4_0
-    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+def _plan(
+    tensors: dict[str, np.ndarray], quant: str, n_layer: int
+) -> tuple[dict[str, str], list[Fallback]]:
+    """Each tensor's GGML type (1-D tensors stay f32, as llama.cpp's converter keeps them)."""
+    if quant == "q4_k_m":
+        return q4_k_m_plan({k: v.shape for k, v in tensors.items()}, n_layer)
+    types = {}
+    for name, array in tensors.items():
+        if array.ndim == 1 or quant == "f32":
+            types[name] = "F32"
+        elif quant == "f16" or array.shape[-1] % 32:  # a row that does not fill whole blocks
+            types[name] = "F16"
+        else:
+            types[name] = quant.upper()
+    return types, []
 
 
-FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0",
+              "q4_k_m": "MOSTLY_Q4_K_M"}  # fmt: skip
+
+
+def _bar(total: int, show: bool) -> Any:
+    """A tqdm bar over the weights quantized (rate and ETA), shown on a terminal only."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="weight", unit_scale=True, desc="quantize",
+                disable=None if show else True, leave=False)  # fmt: skip
 
 
 def export_gguf(
@@ -230,6 +243,7 @@ def export_gguf(
     quant: str = "f16",
     force: bool = False,
     name: str = "kiln",
+    progress: bool = False,
 ) -> GGUFResult:
     """Write `model` and `tok` as one GGUF file `out` (whole or not at all)."""
     check_quant(quant)
@@ -241,6 +255,7 @@ def export_gguf(
     if eos_token not in tok.special_tokens:
         raise KilnError(f"tokenizer has no special token {eos_token!r} to use as eos")
     tensors = gguf_tensors(cfg, model.state_dict(), arch)
+    types, fallbacks = _plan(tensors, quant, cfg.n_layer)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
@@ -249,13 +264,15 @@ def export_gguf(
         w.add_name(name)
         w.add_string("kiln.version", __version__)
         w.add_file_type(int(getattr(gguf.LlamaFileType, FILE_TYPES[quant])))
-        if quant in ("q8_0", "q4_0"):
+        if quant in ("q8_0", "q4_0", "q4_k_m"):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_hparams(w, cfg, arch)
         chat = _add_tokenizer(w, tok, cfg.vocab_size, tok.special_tokens[eos_token])
-        for tname, array in tensors.items():
-            data, qtype = _stored(gguf, array, quant)
-            w.add_tensor(tname, data, raw_dtype=qtype)
+        with _bar(sum(a.size for a in tensors.values()), progress) as bar:
+            for tname, array in tensors.items():
+                data, qtype = encode(gguf, array, types[tname])
+                w.add_tensor(tname, data, raw_dtype=qtype)
+                bar.update(array.size)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -270,14 +287,17 @@ def export_gguf(
         raise
     return GGUFResult(
         out=out, arch=arch, quant=quant, tensors=len(tensors), vocab=cfg.vocab_size,
-        bytes=out.stat().st_size, chat_template=chat,
+        bytes=out.stat().st_size, chat_template=chat, types=types, fallbacks=fallbacks,
     )  # fmt: skip
 
 
 def describe_gguf(result: GGUFResult) -> str:
-    """One line for the CLI: what was written."""
+    """What was written, for the CLI: one line (two for q4_k_m: its types and fallbacks)."""
     chat = ", chat template" if result.chat_template else ""
-    return (
+    line = (
         f"kiln export: {result.out} ({result.arch}, {result.quant}, {result.tensors} tensors, "
         f"{result.bytes / 1e6:.1f} MB; tokenizer: {result.vocab:,} tokens, gpt2 BPE{chat})"
     )
+    if result.quant == "q4_k_m":
+        line += "\n" + describe_plan(result.types, result.fallbacks)
+    return line

@@ -18,7 +18,8 @@ from kiln.model.transformer import Transformer
 from kiln.tokenizer import Tokenizer
 from kiln.tokenizer.byte_unicode import token_string_to_bytes
 from kiln.train.config import load_train_config
-from kiln.train.export_gguf import export_gguf, gguf_arch
+from kiln.train.export_gguf import describe_gguf, export_gguf, gguf_arch
+from kiln.train.gguf_mixture import more_bits, q4_k_m_plan
 from kiln.train.trainer import Trainer
 from tests.fixtures import EOT
 
@@ -165,8 +166,16 @@ def test_bad_requests_are_refused_in_one_line(
 ) -> None:
     run, _ = trained
     out = tmp_path / "m.gguf"
-    assert main(["export", str(run), "--gguf", str(out), "--quant", "q4_k_m"]) != 0
-    assert "no Q4_K quantizer" in capsys.readouterr().err and not out.exists()
+    assert main(["export", str(run), "--gguf", str(out), "--quant", "q4_k_s"]) != 0
+    err = capsys.readouterr().err
+    assert "--quant 'q4_k_s': expected one of" in err and "q4_k_m" in err and not out.exists()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # The tiny model's rows (64) hold no K-quant block: every matrix falls back, and says so.
+    assert main(["export", str(run), "--gguf", str(out), "--quant", "q4_k_m"]) == 0
+    said = capsys.readouterr().out
+    assert "llama, q4_k_m" in said and "rows not a multiple of 256 fell back" in said
+    assert "blk.*.attn_q.weight (64 columns) Q4_K->Q5_0 x2" in said
+    out.unlink()
     assert main(["export", str(run), "--gguf", str(out)]) == 0
     before = out.read_bytes()
     assert main(["export", str(run), "--gguf", str(out)]) != 0
@@ -179,6 +188,70 @@ def test_bad_requests_are_refused_in_one_line(
     for preset in ("moe-20m", "mla-20m"):
         with pytest.raises(KilnError, match=r"no llama\.cpp mapping"):
             gguf_arch(ModelConfig.preset(preset))
+
+
+def test_the_q4_k_m_mixture_follows_llama_cpps_rule() -> None:
+    # 8 layers: more_bits picks the first and last eighth (0, 7) and every third between (3, 6).
+    assert [i for i in range(8) if more_bits(i, 8)] == [0, 3, 6, 7]
+    assert [i for i in range(32) if more_bits(i, 32)] == [
+        0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]  # fmt: skip
+    shapes = {"token_embd.weight": (512, 256), "output_norm.weight": (256,)}
+    for i in range(8):
+        shapes |= {f"blk.{i}.attn_v.weight": (128, 256), f"blk.{i}.attn_q.weight": (256, 256),
+                   f"blk.{i}.ffn_down.weight": (256, 768), f"blk.{i}.ffn_up.weight": (768, 256),
+                   f"blk.{i}.attn_norm.weight": (256,)}  # fmt: skip
+    types, fallbacks = q4_k_m_plan(shapes, 8)
+    assert types["token_embd.weight"] == "Q6_K"  # tied: it is also the head
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == [
+        "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]  # fmt: skip
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in (0, 3, 6, 7)} == {"Q6_K"}
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in (1, 2, 4, 5)} == {"Q4_K"}
+    assert {types[f"blk.{i}.{n}.weight"] for i in range(8) for n in ("attn_q", "ffn_up")} == {
+        "Q4_K"}  # fmt: skip
+    assert types["output_norm.weight"] == "F32" and fallbacks == []
+    # Untied: the head is Q6_K, the embedding Q4_K; GPT-2's fused qkv counts as attn_v.
+    untied, _ = q4_k_m_plan({"token_embd.weight": (512, 256), "output.weight": (512, 256),
+                             "blk.0.attn_qkv.weight": (768, 256),
+                             "position_embd.weight": (64, 256)}, 1)  # fmt: skip
+    assert untied == {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+                      "blk.0.attn_qkv.weight": "Q6_K", "position_embd.weight": "F16"}  # fmt: skip
+    # Rows that are not whole super-blocks fall back as llama.cpp does.
+    odd, fell = q4_k_m_plan({"blk.0.ffn_down.weight": (64, 704), "blk.1.ffn_down.weight": (64, 704),
+                             "blk.1.ffn_up.weight": (64, 100)}, 2)  # fmt: skip
+    assert odd == {"blk.0.ffn_down.weight": "Q5_0", "blk.1.ffn_down.weight": "Q8_0",
+                   "blk.1.ffn_up.weight": "F16"}  # fmt: skip
+    assert [(f.name, f.cols, f.wanted) for f in fell] == [
+        ("blk.0.ffn_down.weight", 704, "Q4_K"), ("blk.1.ffn_down.weight", 704, "Q6_K"),
+        ("blk.1.ffn_up.weight", 100, "Q4_K")]  # fmt: skip
+
+
+def test_q4_k_m_writes_the_mixture_and_reports_its_fallbacks(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    tok = Tokenizer.load(tiny_dataset.parent / "tok.json")
+    # n_embd 256 fills K-quant rows; ffn_down's rows (ff_size 704) do not and fall back.
+    cfg = ModelConfig.preset("tiny", vocab_size=tok.n_vocab, n_embd=256, ff_multiple=64)
+    assert cfg.ff_size % 256 != 0
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    result = export_gguf(model, tok, EOT, tmp_path / "m.gguf", "q4_k_m")
+    reader = gguf.GGUFReader(result.out)
+    stored = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert stored == result.types
+    assert stored["token_embd.weight"] == "Q6_K"  # tied embeddings: the head
+    assert [stored[f"blk.{i}.attn_v.weight"] for i in range(2)] == ["Q4_K", "Q6_K"]
+    assert [stored[f"blk.{i}.ffn_down.weight"] for i in range(2)] == ["Q5_0", "Q8_0"]
+    assert stored["blk.0.attn_q.weight"] == stored["blk.1.ffn_gate.weight"] == "Q4_K"
+    assert stored["blk.0.attn_norm.weight"] == "F32"
+    assert _fields(reader)["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    # Every weight decodes close to the model's: 4-bit steps are a few percent of the range.
+    sd, t = model.state_dict(), _tensors(reader)
+    w, got = sd["blocks.0.attn.proj.weight"].numpy(), t["blk.0.attn_output.weight"]
+    assert np.sqrt(np.mean((got - w) ** 2)) < 0.1 * np.sqrt(np.mean(w**2))
+    line = describe_gguf(result)
+    assert "ffn_down.weight (704 columns) Q4_K->Q5_0" in line and "Q6_K->Q8_0" in line
+    # Under 0.8 bytes per parameter (f16: 2), tokenizer and norms included.
+    assert result.bytes < 0.8 * sum(a.numel() for a in sd.values())
 
 
 def _tiny_tokenizer(n_vocab: int) -> Tokenizer:
