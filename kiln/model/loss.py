@@ -155,30 +155,45 @@ def distill_loss(
 def topk_distill_loss(
     student: Tensor,
     ids: Tensor,
-    teacher_topk: Tensor,
+    teacher_logp: Tensor,
+    teacher_log_tail: Tensor,
     targets: Tensor,
-    kind: str = "forward_kl",
     temperature: float = 1.0,
 ) -> Tensor:
-    """`distill_loss` against the teacher's top-k, renormalised, with the student's full softmax.
+    """Forward KL over K + 1 buckets (the teacher's top-k ids and "everything else"), times τ².
 
-    student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_topk (..., K)
-    its logits there. The teacher's distribution is its top-k renormalised (its tail's mass goes
-    to the top-k in proportion); the student's log-probabilities are over the whole vocabulary,
-    read at those ids, so the loss also pulls the student's mass into the top-k: renormalising the
-    student too would leave its mass outside the K ids free, and a student trained so ranks the
-    top-k right but gives them little probability. K = V gives `distill_loss`. Reverse KL over
-    a top-k would ignore the student's mass outside it; `kiln distill` refuses that pairing.
+    student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_logp (..., K)
+    its log-probabilities there at temperature τ; teacher_log_tail (...) the log of its mass
+    outside them, log(1 − Σ p_k). The student's buckets are its softmax at τ read at the ids and
+    its mass outside them, so both distributions sum to one: the student is neither free to put
+    mass outside the top-k nor pushed to put the teacher's tail into it. With K = V the tail is
+    empty and the loss is `distill_loss`'s forward KL. Positions with targets < 0 do not count.
     """
-    if kind not in ("forward_kl", "reverse_kl"):
-        raise ValueError(f"distill loss kind must be forward_kl or reverse_kl, got {kind!r}")
     keep = targets.reshape(-1) >= 0  # (N,)
     V, K = student.size(-1), ids.size(-1)
-    full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)
-    s = full.gather(1, ids.reshape(-1, K)[keep])  # (n, K): log p_student over all V, at the ids
-    t = torch.log_softmax(teacher_topk.reshape(-1, K)[keep].float() / temperature, dim=-1)
-    p, q = (t, s) if kind == "forward_kl" else (s, t)
-    kl = (p.exp() * (p - q)).sum(-1)  # (n,)
+    full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)  # (n, V)
+    index = ids.reshape(-1, K)[keep]  # (n, K)
+    s = full.gather(1, index)  # (n, K)
+    # The student's tail: its mass off the K ids. A finite fill, not -inf, so that with K = V
+    # (an empty tail) the logsumexp and its gradient stay finite; that bucket then weighs 0.
+    s_tail = full.scatter(1, index, torch.finfo(full.dtype).min).logsumexp(-1)  # (n,)
+    t = teacher_logp.reshape(-1, K)[keep].float()  # (n, K)
+    t_tail = teacher_log_tail.reshape(-1)[keep].float()  # (n,)
+    p_tail = t_tail.exp() if K < V else torch.zeros_like(t_tail)  # K = V: no tail, whatever stored
+    kl = (t.exp() * (t - s)).sum(-1)  # (n,)
+    kl = kl + torch.where(p_tail > 0, p_tail * (t_tail.clamp_min(-1e4) - s_tail), 0.0)
     if kl.numel() == 0:
         return student.sum() * 0.0
     return kl.mean() * temperature**2
+
+
+def teacher_topk(logits: Tensor, k: int, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids (..., K), log-probs at τ there (..., K), log of the mass outside them (...))."""
+    z = logits.float() / temperature  # (..., V)
+    values, ids = z.topk(k, dim=-1)
+    logp = values - z.logsumexp(-1, keepdim=True)  # (..., K)
+    # log(1 − Σ p_k) in float64: the tail stays accurate down to ~1e-15 of the mass
+    rest = -torch.expm1(logp.double().logsumexp(-1))  # (...)
+    if k == z.size(-1):  # nothing is outside; rounding would leave a spurious ~1e-8
+        rest = torch.zeros_like(rest)
+    return ids, logp, rest.clamp_min(0).log().float()

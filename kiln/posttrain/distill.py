@@ -13,7 +13,7 @@ with `distill.student`, from another model folder's weights and config: pruning'
 (Minitron: prune, then distill from the unpruned model).
 
 Teacher cost: `distill.topk = K` reads the teacher's top-k logits from shards computed once
-beside the token shards (distill_topk.py; the KL from the teacher's renormalised top-k) instead of
+beside the token shards (distill_topk.py; the KL over the top-k ids and a tail bucket) instead of
 running the teacher every micro-step. `distill.on_policy = λ` makes a fraction λ of the
 micro-batches on-policy (GKD: the student samples, the teacher scores; distill_gkd.py).
 
@@ -140,8 +140,8 @@ class DistillStep:
     def __call__(self, x: Tensor, y: Tensor, *extra: Tensor) -> Tensor:
         """Mixed KL + CE loss of the student on inputs x (B, T) with next tokens y (B, T)."""
         s = self.section
-        topk = extra[-2:] if s.topk else ()
-        extra = extra[:-2] if s.topk else extra
+        topk = extra[-3:] if s.topk else ()  # ids, log-probs, log tail mass (TopkBatch)
+        extra = extra[:-3] if s.topk else extra
         micro, self.micro = self.micro, self.micro + 1
         if s.on_policy:
             on, sample_seed = gkd.draws(self.seed, micro, s.on_policy)
@@ -151,7 +151,7 @@ class DistillStep:
         loss = logits.new_zeros((), dtype=torch.float32)
         if s.kl_weight:
             if topk:
-                kl = topk_distill_loss(logits, topk[0], topk[1], y, s.loss, s.temperature)
+                kl = topk_distill_loss(logits, *topk, y, s.temperature)
             else:
                 with torch.no_grad():
                     teacher_logits = self.teacher(x, None, *extra)  # (B, T, V)
@@ -314,13 +314,14 @@ def topk_folder(cfg: DistillConfig, k: int | None = None) -> Path:
     s = cfg.distill
     if s.topk_dir:
         return Path(s.topk_dir)
-    return distill_topk.default_dir(cfg.data.dataset, k or s.topk, cfg.data.seq_len)
+    return distill_topk.default_dir(cfg.data.dataset, k or s.topk, cfg.data.seq_len, s.temperature)
 
 
 def topk_manifest(cfg: DistillConfig, data: TokenShards, teacher_sha256: str, k: int = 0) -> Any:
     """What the run's top-k shards must have been made from."""
+    s = cfg.distill
     return distill_topk.expected_manifest(
-        k or cfg.distill.topk, cfg.data.seq_len, teacher_sha256, data.fingerprint()
+        k or s.topk, cfg.data.seq_len, s.temperature, teacher_sha256, data.fingerprint()
     )
 
 
@@ -378,7 +379,7 @@ def build_trainer(
     if s.ce_weight:
         mix += f" + {s.ce_weight:g}·CE"
     if s.topk:
-        mix += f", teacher top-{s.topk} from {s.topk_dir} (renormalised teacher, full student)"
+        mix += f", teacher top-{s.topk} + tail bucket from {s.topk_dir}"
     if s.on_policy:
         mix += f", on-policy fraction {s.on_policy:g} (GKD)"
     trainer.say(f"kiln distill: teacher {s.teacher} ({n_teacher:,} parameters), student "
