@@ -174,9 +174,9 @@ def topk_distill_loss(
     full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)  # (n, V)
     index = ids.reshape(-1, K)[keep]  # (n, K)
     s = full.gather(1, index)  # (n, K)
-    # The student's tail: its mass off the K ids. A finite fill, not -inf, so that with K = V
-    # (an empty tail) the logsumexp and its gradient stay finite; that bucket then weighs 0.
-    s_tail = full.scatter(1, index, torch.finfo(full.dtype).min).logsumexp(-1)  # (n,)
+    # The student's tail, log(1 − Σ q_k), from the K values: no second (n, V) pass. Floored at
+    # 1e-30 so an empty tail (K = V, where the teacher's bucket weighs 0) stays finite.
+    s_tail = (-torch.expm1(s.logsumexp(-1))).clamp_min(1e-30).log()  # (n,)
     t = teacher_logp.reshape(-1, K)[keep].float()  # (n, K)
     t_tail = teacher_log_tail.reshape(-1)[keep].float()  # (n,)
     p_tail = t_tail.exp() if K < V else torch.zeros_like(t_tail)  # K = V: no tail, whatever stored
