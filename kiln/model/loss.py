@@ -197,3 +197,113 @@ def teacher_topk(logits: Tensor, k: int, temperature: float) -> tuple[Tensor, Te
     if k == z.size(-1):  # nothing is outside; rounding would leave a spurious ~1e-8
         rest = torch.zeros_like(rest)
     return ids, logp, rest.clamp_min(0).log().float()
+
+
+def topk_lm_loss(
+    h: Tensor,
+    weight: Tensor,
+    vocab_size: int,
+    topk: tuple[Tensor, Tensor, Tensor],
+    targets: Tensor,
+    temperature: float,
+    kl_weight: float,
+    ce_weight: float,
+) -> Tensor:
+    """kl_weight · `topk_distill_loss` + ce_weight · CE from hidden states h (..., C), chunked.
+
+    The student's logits are made chunk by chunk through the head weight (V_pad, C) and freed,
+    with their gradients, as in `lm_loss` (no soft-cap). topk = (ids, log-probs, log tail) of the
+    teacher. Per row, at τ, with q = softmax(z / τ) and the teacher's buckets p_k, p_tail:
+
+        ∂(τ² KL)/∂z_j = τ · (q_j − t_j),   t_j = p_j on the K ids, p_tail · q_j / q_tail elsewhere
+    """
+    ids, logp, tail = topk
+    h2 = h.reshape(-1, h.size(-1))  # (N, C)
+    K = ids.size(-1)
+    dtype = (
+        torch.get_autocast_dtype(h.device.type)
+        if torch.is_autocast_enabled(h.device.type)
+        else h.dtype
+    )
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    weights = (temperature, kl_weight, ce_weight)
+    chunk = max(64, CHUNK_ELEMENTS // vocab_size)
+    teacher = (ids.reshape(-1, K), logp.reshape(-1, K).float(), tail.reshape(-1).float())
+    return _ChunkedTopkLoss.apply(
+        h2, weight, targets.reshape(-1), vocab_size, teacher, weights, chunk, dtype, need_grad
+    )
+
+
+class _ChunkedTopkLoss(torch.autograd.Function):
+    """The K + 1 bucket KL (+ CE) and its gradients in one chunked pass, like _ChunkedLMLoss."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        vocab_size: int,
+        teacher: tuple[Tensor, Tensor, Tensor],
+        weights: tuple[float, float, float],
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        need_grad: bool,
+    ) -> Tensor:
+        """Scalar loss; stashes dloss/dh (N, C) and dloss/dW (V_pad, C) for backward."""
+        tau, kl_w, ce_w = weights
+        ids, logp, tail = teacher
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)[:vocab_size]  # (V, C)
+            hc = h.to(dtype)
+            valid = targets >= 0
+            n_valid = valid.sum().clamp(min=1).float()
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_grad else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+            has_tail = ids.size(-1) < vocab_size
+            for start in range(0, h.size(0), chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                row_valid = valid[rows].float()  # (n,)
+                z = (hc[rows] @ w.T).float()  # (n, V)
+                zt = torch.log_softmax(z / tau, dim=-1)  # (n, V) log q
+                k_ids, p_log = ids[rows], logp[rows]  # (n, K)
+                q_log = zt.gather(1, k_ids)  # (n, K)
+                kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # (n,)
+                q_tail = (-torch.expm1(q_log.logsumexp(-1))).clamp_min(1e-30)  # (n,)
+                p_tail = tail[rows].exp() if has_tail else torch.zeros_like(q_tail)
+                kl = kl + torch.where(
+                    p_tail > 0, p_tail * (tail[rows].clamp_min(-1e4) - q_tail.log()), 0.0
+                )
+                row_loss = kl_w * tau**2 * kl
+                y = targets[rows].clamp(min=0)[:, None]  # (n, 1)
+                if ce_w:
+                    lp1 = zt if tau == 1 else torch.log_softmax(z, dim=-1)
+                    row_loss = row_loss - ce_w * lp1.gather(1, y).squeeze(1)
+                total += (row_loss * row_valid).sum()
+                if not need_grad:
+                    continue
+                scale = row_valid / n_valid  # (n,)
+                q = zt.exp_()  # (n, V), in place of log q
+                g = q * (-kl_w * tau * scale * p_tail / q_tail)[:, None]  # the tail's target
+                g.scatter_(1, k_ids, (-kl_w * tau * scale)[:, None] * p_log.exp())
+                g.add_(q * (kl_w * tau * scale)[:, None])
+                if ce_w:
+                    g.add_((q if tau == 1 else lp1.exp()) * (ce_w * scale)[:, None])
+                    g.scatter_add_(1, y, -(ce_w * scale)[:, None])
+                g = g.to(dtype)
+                grad_h[rows] = (g @ w).to(h.dtype)
+                if dtype == torch.float32:
+                    grad_w[:vocab_size].addmm_(g.T, hc[rows])
+                else:
+                    grad_w[:vocab_size] += g.T @ hc[rows]
+                del z, zt, q, g
+            if need_grad:
+                ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            return total / n_valid
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        """Chain rule: the stored gradients times the incoming scalar."""
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None

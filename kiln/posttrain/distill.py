@@ -38,7 +38,7 @@ from kiln.config import require
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
-from kiln.model.loss import distill_loss, topk_distill_loss
+from kiln.model.loss import distill_loss, topk_distill_loss, topk_lm_loss
 from kiln.model.transformer import Transformer
 from kiln.posttrain import distill_gkd as gkd
 from kiln.posttrain import distill_topk
@@ -147,6 +147,11 @@ class DistillStep:
             on, sample_seed = gkd.draws(self.seed, micro, s.on_policy)
             if on:
                 return self.on_policy_loss(x, sample_seed)
+        if topk and self.fused(self.student):
+            m = self.student
+            h = m._head_input(m.hidden(x, None, *extra))  # (B, T, C)
+            return topk_lm_loss(h, m.lm_head.weight, m.cfg.vocab_size, topk, y, s.temperature,
+                                s.kl_weight, s.ce_weight)  # fmt: skip
         logits = self.student(x, None, *extra)  # (B, T, V)
         loss = logits.new_zeros((), dtype=torch.float32)
         if s.kl_weight:
@@ -164,6 +169,21 @@ class DistillStep:
             )  # fmt: skip
             loss = loss + s.ce_weight * ce
         return loss
+
+    @staticmethod
+    def fused(student: Any) -> bool:
+        """Whether the top-k loss can run chunked from hidden states (a bare model, no extras).
+
+        Otherwise the (B, T, V) logits, their softmax and its backward are made in full, which
+        costs CPU time a scratch step (the chunked lm_loss) does not spend.
+        """
+        cfg = getattr(student, "cfg", None)
+        return (
+            isinstance(student, Transformer)
+            and cfg.logit_softcap is None
+            and cfg.moe is None
+            and type(student).forward is Transformer.forward
+        )
 
     def on_policy_loss(self, x: Tensor, sample_seed: int) -> Tensor:
         """GKD: the student continues each window's prompt; the KL on its sampled tokens."""

@@ -15,7 +15,7 @@ import torch
 
 from kiln.cli import main
 from kiln.errors import KilnError
-from kiln.model.loss import distill_loss, teacher_topk, topk_distill_loss
+from kiln.model.loss import distill_loss, teacher_topk, topk_distill_loss, topk_lm_loss
 from kiln.posttrain.distill import build_trainer
 from kiln.train.trainer import Trainer
 
@@ -63,6 +63,35 @@ def test_topk_loss_with_k_equal_to_the_vocab_is_the_full_kl_and_its_gradient(tau
     assert torch.allclose(a.grad, b.grad, atol=1e-6)  # and finite, though the tail is empty
 
 
+@pytest.mark.parametrize(("tau", "kl", "ce", "k"), [(1.0, 1.0, 0.0, 5), (2.0, 0.7, 0.3, 5),
+                                                    (1.0, 0.5, 0.5, 30)])  # fmt: skip
+def test_the_chunked_topk_loss_from_hidden_states_equals_the_plain_one_and_its_gradients(
+    tau: float, kl: float, ce: float, k: int
+) -> None:
+    torch.manual_seed(0)
+    V, C = 30, 8
+    h = torch.randn(2, 6, C, requires_grad=True)
+    w = torch.randn(32, C, requires_grad=True)  # 2 padding rows, never scored
+    y = torch.randint(0, V, (2, 6))
+    y[0, 2] = -1
+    topk = teacher_topk(torch.randn(2, 6, V) * 2, k, tau)
+    chunked = topk_lm_loss(h, w, V, topk, y, tau, kl, ce)
+    chunked.backward()
+    grads = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    z = h @ w[:V].T
+    plain = kl * topk_distill_loss(z, *topk, y, tau)
+    if ce:
+        plain = plain + ce * torch.nn.functional.cross_entropy(
+            z.reshape(-1, V), y.reshape(-1), ignore_index=-1
+        )
+    plain.backward()
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert torch.allclose(grads[0], h.grad, atol=1e-6) and torch.allclose(
+        grads[1], w.grad, atol=1e-6
+    )
+
+
 def test_training_from_shards_equals_the_online_teachers_topk_loss_with_the_ce_mixed_in(
     teacher: Path, dataset: Path, tmp_path: Path
 ) -> None:
@@ -72,6 +101,7 @@ def test_training_from_shards_equals_the_online_teachers_topk_loss_with_the_ce_m
                   "distill.ce_weight=0.3")  # fmt: skip
     trainer = build_trainer(cfg, run)
     step = trainer.train_model
+    assert step.fused(step.student)  # the chunked loss, checked against the plain one below
     x, y, ids, logp, tail = trainer.loader.next_batch().to_torch(trainer.device)
     assert ids.shape == (*x.shape, K) and tail.shape == x.shape
     with torch.no_grad():
