@@ -73,6 +73,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     wall = time.perf_counter()
     result = trainer.run()
     wall = time.perf_counter() - wall
+    if result.interrupted:  # a stopped arm's numbers are not its budget's
+        raise SystemExit(f"{spec['name']}: interrupted at step {result.step}")
     val = result.val_loss if result.val_loss is not None else trainer.evaluate()
     return {
         "steps": result.step, "tokens": result.tokens, "val_loss": round(float(val), 4),
@@ -173,17 +175,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--train-tokens",
         type=int,
-        default=0,
+        default=100_000,
         help="train on the first N tokens of the data's train split only (0: all)",
     )
-    p.add_argument("--budget", type=float, default=150.0, help="CPU seconds per student")
+    p.add_argument("--budget", type=float, default=90.0, help="CPU seconds per student")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--tau", type=float, default=1.0)
     p.add_argument("--alpha", type=float, default=0.0, help="CE weight (KL weight 1 − α)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["fp32", "bf16", "auto"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per student")
-    p.add_argument("--included", action="store_true", help="also scratch for budget + P")
+    p.add_argument(
+        "--included",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also scratch for budget + P (the shards' cost charged to one student)",
+    )
     p.add_argument("--set", action="append", default=[], help="override for both students")
     p.add_argument("--distill-set", action="append", default=[], help="for the distilled one")
     p.add_argument("--tag", default="", help="names this configuration's run folders")
