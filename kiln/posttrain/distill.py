@@ -59,7 +59,7 @@ class DistillSection:
     kl_weight: float = 1.0
     ce_weight: float = 0.0  # > 0: mix in the usual next-token cross-entropy
     student: str = ""  # "": a fresh [model]; else a model folder to start from (heal a prune)
-    topk: int = 0  # > 0: the teacher's top-k logits from precomputed shards (distill_topk.py)
+    topk: int = 0  # > 0: the teacher's top-k + tail mass from precomputed shards (distill_topk.py)
     topk_dir: str = ""  # "": DATASET/teacher_topk/k{K}_T{seq_len}
     on_policy: float = 0.0  # GKD's λ: the fraction of micro-batches the student samples
     gen_tokens: int = 0  # tokens the student samples per on-policy window; 0: seq_len // 2
