@@ -13,6 +13,12 @@
 
 Prints one JSON line per run (val loss in nats/token, bits per byte, parameters, train seconds)
 and a markdown table. Under load the times are noisy; the losses are not (fp32, fixed seeds).
+
+--equal-cpu (issue #30) instead races a given teacher's top-k student against the same student
+from scratch for the same *CPU* seconds (bench/distill_cpu.py; process time, 1 thread each, side
+by side), with the teacher's shard precompute excluded and included:
+
+    python bench/distill.py OUT --equal-cpu --teacher /tmp/quiet/q/demo --seeds 0,1
 """
 
 from __future__ import annotations
@@ -141,6 +147,10 @@ def main() -> int:
         help="distil from the teacher's top-K logits precomputed once into shards (distill.topk), "
         "so a distillation step costs about a scratch step; 0: the online teacher",
     )  # fmt: skip
+    if "--equal-cpu" in sys.argv[1:]:  # the other race, with its own flags
+        from bench.distill_cpu import main as equal_cpu
+
+        return equal_cpu([a for a in sys.argv[1:] if a != "--equal-cpu"])
     add_noisy_flag(p)
     args = p.parse_args()
     measured = begin("bench/distill.py", args.noisy)

@@ -150,6 +150,7 @@ SCRIPTS = {
     "data_scale": ["--tmp", "T"],
     "data_synth": ["T/o"],
     "distill": ["T/o"],
+    "distill_cpu": ["T/o", "--teacher", "T/t"],
     "distill_draft": ["T/o", "--teacher", "T/t"],
     "fp8_train": ["T/o"],
     "gguf_parity": ["--model", "T/m"],

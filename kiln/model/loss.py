@@ -155,30 +155,155 @@ def distill_loss(
 def topk_distill_loss(
     student: Tensor,
     ids: Tensor,
-    teacher_topk: Tensor,
+    teacher_logp: Tensor,
+    teacher_log_tail: Tensor,
     targets: Tensor,
-    kind: str = "forward_kl",
     temperature: float = 1.0,
 ) -> Tensor:
-    """`distill_loss` against the teacher's top-k, renormalised, with the student's full softmax.
+    """Forward KL over K + 1 buckets (the teacher's top-k ids and "everything else"), times τ².
 
-    student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_topk (..., K)
-    its logits there. The teacher's distribution is its top-k renormalised (its tail's mass goes
-    to the top-k in proportion); the student's log-probabilities are over the whole vocabulary,
-    read at those ids, so the loss also pulls the student's mass into the top-k: renormalising the
-    student too would leave its mass outside the K ids free, and a student trained so ranks the
-    top-k right but gives them little probability. K = V gives `distill_loss`. Reverse KL over
-    a top-k would ignore the student's mass outside it; `kiln distill` refuses that pairing.
+    student (..., V) logits; ids (..., K) the teacher's top-k token ids; teacher_logp (..., K)
+    its log-probabilities there at temperature τ; teacher_log_tail (...) the log of its mass
+    outside them, log(1 − Σ p_k). The student's buckets are its softmax at τ read at the ids and
+    its mass outside them, so both distributions sum to one: the student is neither free to put
+    mass outside the top-k nor pushed to put the teacher's tail into it. With K = V the tail is
+    empty and the loss is `distill_loss`'s forward KL. Positions with targets < 0 do not count.
     """
-    if kind not in ("forward_kl", "reverse_kl"):
-        raise ValueError(f"distill loss kind must be forward_kl or reverse_kl, got {kind!r}")
     keep = targets.reshape(-1) >= 0  # (N,)
     V, K = student.size(-1), ids.size(-1)
-    full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)
-    s = full.gather(1, ids.reshape(-1, K)[keep])  # (n, K): log p_student over all V, at the ids
-    t = torch.log_softmax(teacher_topk.reshape(-1, K)[keep].float() / temperature, dim=-1)
-    p, q = (t, s) if kind == "forward_kl" else (s, t)
-    kl = (p.exp() * (p - q)).sum(-1)  # (n,)
+    full = torch.log_softmax(student.reshape(-1, V)[keep].float() / temperature, dim=-1)  # (n, V)
+    index = ids.reshape(-1, K)[keep]  # (n, K)
+    s = full.gather(1, index)  # (n, K)
+    # The student's tail, log(1 − Σ q_k), from the K values: no second (n, V) pass. Floored at
+    # 1e-30 so an empty tail (K = V, where the teacher's bucket weighs 0) stays finite.
+    s_tail = (-torch.expm1(s.logsumexp(-1))).clamp_min(1e-30).log()  # (n,)
+    t = teacher_logp.reshape(-1, K)[keep].float()  # (n, K)
+    t_tail = teacher_log_tail.reshape(-1)[keep].float()  # (n,)
+    p_tail = t_tail.exp() if K < V else torch.zeros_like(t_tail)  # K = V: no tail, whatever stored
+    kl = (t.exp() * (t - s)).sum(-1)  # (n,)
+    kl = kl + torch.where(p_tail > 0, p_tail * (t_tail.clamp_min(-1e4) - s_tail), 0.0)
     if kl.numel() == 0:
         return student.sum() * 0.0
     return kl.mean() * temperature**2
+
+
+def teacher_topk(logits: Tensor, k: int, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids (..., K), log-probs at τ there (..., K), log of the mass outside them (...))."""
+    z = logits.float() / temperature  # (..., V)
+    values, ids = z.topk(k, dim=-1)
+    logp = values - z.logsumexp(-1, keepdim=True)  # (..., K)
+    # log(1 − Σ p_k) in float64: the tail stays accurate down to ~1e-15 of the mass
+    rest = -torch.expm1(logp.double().logsumexp(-1))  # (...)
+    if k == z.size(-1):  # nothing is outside; rounding would leave a spurious ~1e-8
+        rest = torch.zeros_like(rest)
+    return ids, logp, rest.clamp_min(0).log().float()
+
+
+def topk_lm_loss(
+    h: Tensor,
+    weight: Tensor,
+    vocab_size: int,
+    topk: tuple[Tensor, Tensor, Tensor],
+    targets: Tensor,
+    temperature: float,
+    kl_weight: float,
+    ce_weight: float,
+) -> Tensor:
+    """kl_weight · `topk_distill_loss` + ce_weight · CE from hidden states h (..., C), chunked.
+
+    The student's logits are made chunk by chunk through the head weight (V_pad, C) and freed,
+    with their gradients, as in `lm_loss` (no soft-cap). topk = (ids, log-probs, log tail) of the
+    teacher. Per row, at τ, with q = softmax(z / τ) and the teacher's buckets p_k, p_tail:
+
+        ∂(τ² KL)/∂z_j = τ · (q_j − t_j),   t_j = p_j on the K ids, p_tail · q_j / q_tail elsewhere
+    """
+    ids, logp, tail = topk
+    h2 = h.reshape(-1, h.size(-1))  # (N, C)
+    K = ids.size(-1)
+    dtype = (
+        torch.get_autocast_dtype(h.device.type)
+        if torch.is_autocast_enabled(h.device.type)
+        else h.dtype
+    )
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    weights = (temperature, kl_weight, ce_weight)
+    chunk = max(64, CHUNK_ELEMENTS // vocab_size)
+    teacher = (ids.reshape(-1, K), logp.reshape(-1, K).float(), tail.reshape(-1).float())
+    return _ChunkedTopkLoss.apply(
+        h2, weight, targets.reshape(-1), vocab_size, teacher, weights, chunk, dtype, need_grad
+    )
+
+
+class _ChunkedTopkLoss(torch.autograd.Function):
+    """The K + 1 bucket KL (+ CE) and its gradients in one chunked pass, like _ChunkedLMLoss."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        h: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        vocab_size: int,
+        teacher: tuple[Tensor, Tensor, Tensor],
+        weights: tuple[float, float, float],
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        need_grad: bool,
+    ) -> Tensor:
+        """Scalar loss; stashes dloss/dh (N, C) and dloss/dW (V_pad, C) for backward."""
+        tau, kl_w, ce_w = weights
+        ids, logp, tail = teacher
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(dtype)[:vocab_size]  # (V, C)
+            hc = h.to(dtype)
+            valid = targets >= 0
+            n_valid = valid.sum().clamp(min=1).float()
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need_grad else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+            has_tail = ids.size(-1) < vocab_size
+            for start in range(0, h.size(0), chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                row_valid = valid[rows].float()  # (n,)
+                z = (hc[rows] @ w.T).float()  # (n, V)
+                zt = torch.log_softmax(z / tau, dim=-1)  # (n, V) log q
+                k_ids, p_log = ids[rows], logp[rows]  # (n, K)
+                q_log = zt.gather(1, k_ids)  # (n, K)
+                kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # (n,)
+                q_tail = (-torch.expm1(q_log.logsumexp(-1))).clamp_min(1e-30)  # (n,)
+                p_tail = tail[rows].exp() if has_tail else torch.zeros_like(q_tail)
+                kl = kl + torch.where(
+                    p_tail > 0, p_tail * (tail[rows].clamp_min(-1e4) - q_tail.log()), 0.0
+                )
+                row_loss = kl_w * tau**2 * kl
+                y = targets[rows].clamp(min=0)[:, None]  # (n, 1)
+                if ce_w:
+                    lp1 = zt if tau == 1 else torch.log_softmax(z, dim=-1)
+                    row_loss = row_loss - ce_w * lp1.gather(1, y).squeeze(1)
+                total += (row_loss * row_valid).sum()
+                if not need_grad:
+                    continue
+                scale = row_valid / n_valid  # (n,)
+                q = zt.exp_()  # (n, V), in place of log q
+                g = q * (-kl_w * tau * scale * p_tail / q_tail)[:, None]  # the tail's target
+                g.scatter_(1, k_ids, (-kl_w * tau * scale)[:, None] * p_log.exp())
+                g.add_(q * (kl_w * tau * scale)[:, None])
+                if ce_w:
+                    g.add_((q if tau == 1 else lp1.exp()) * (ce_w * scale)[:, None])
+                    g.scatter_add_(1, y, -(ce_w * scale)[:, None])
+                g = g.to(dtype)
+                grad_h[rows] = (g @ w).to(h.dtype)
+                if dtype == torch.float32:
+                    grad_w[:vocab_size].addmm_(g.T, hc[rows])
+                else:
+                    grad_w[:vocab_size] += g.T @ hc[rows]
+                del z, zt, q, g
+            if need_grad:
+                ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            return total / n_valid
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        """Chain rule: the stored gradients times the incoming scalar."""
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None

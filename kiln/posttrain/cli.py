@@ -230,8 +230,8 @@ def _add_distill_command(sub: Any) -> None:
     add_run_arguments(p, "distillation config (see configs/distill.toml)", "distill.temperature=1")
     p.add_argument(
         "--precompute-topk", type=int, metavar="K", default=None,
-        help="only write the teacher's top-K logits beside the token shards (then train with "
-        "--set distill.topk=K)",
+        help="only write the teacher's top-K log-probs (at distill.temperature) and tail mass "
+        "beside the token shards (then train with --set distill.topk=K)",
     )  # fmt: skip
     p.add_argument("--force", action="store_true", help="with --precompute-topk: rebuild them")
     p.set_defaults(handler=run_distill)

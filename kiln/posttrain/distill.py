@@ -13,7 +13,7 @@ with `distill.student`, from another model folder's weights and config: pruning'
 (Minitron: prune, then distill from the unpruned model).
 
 Teacher cost: `distill.topk = K` reads the teacher's top-k logits from shards computed once
-beside the token shards (distill_topk.py; the KL from the teacher's renormalised top-k) instead of
+beside the token shards (distill_topk.py; the KL over the top-k ids and a tail bucket) instead of
 running the teacher every micro-step. `distill.on_policy = λ` makes a fraction λ of the
 micro-batches on-policy (GKD: the student samples, the teacher scores; distill_gkd.py).
 
@@ -38,7 +38,7 @@ from kiln.config import require
 from kiln.errors import KilnError
 from kiln.io import sha256_file
 from kiln.loading import LoadedModel, find_checkpoint, folder_kind, load_model
-from kiln.model.loss import distill_loss, topk_distill_loss
+from kiln.model.loss import distill_loss, topk_distill_loss, topk_lm_loss
 from kiln.model.transformer import Transformer
 from kiln.posttrain import distill_gkd as gkd
 from kiln.posttrain import distill_topk
@@ -59,7 +59,7 @@ class DistillSection:
     kl_weight: float = 1.0
     ce_weight: float = 0.0  # > 0: mix in the usual next-token cross-entropy
     student: str = ""  # "": a fresh [model]; else a model folder to start from (heal a prune)
-    topk: int = 0  # > 0: the teacher's top-k logits from precomputed shards (distill_topk.py)
+    topk: int = 0  # > 0: the teacher's top-k + tail mass from precomputed shards (distill_topk.py)
     topk_dir: str = ""  # "": DATASET/teacher_topk/k{K}_T{seq_len}
     on_policy: float = 0.0  # GKD's λ: the fraction of micro-batches the student samples
     gen_tokens: int = 0  # tokens the student samples per on-policy window; 0: seq_len // 2
@@ -140,18 +140,23 @@ class DistillStep:
     def __call__(self, x: Tensor, y: Tensor, *extra: Tensor) -> Tensor:
         """Mixed KL + CE loss of the student on inputs x (B, T) with next tokens y (B, T)."""
         s = self.section
-        topk = extra[-2:] if s.topk else ()
-        extra = extra[:-2] if s.topk else extra
+        topk = extra[-3:] if s.topk else ()  # ids, log-probs, log tail mass (TopkBatch)
+        extra = extra[:-3] if s.topk else extra
         micro, self.micro = self.micro, self.micro + 1
         if s.on_policy:
             on, sample_seed = gkd.draws(self.seed, micro, s.on_policy)
             if on:
                 return self.on_policy_loss(x, sample_seed)
+        if topk and self.fused(self.student):
+            m = self.student
+            h = m._head_input(m.hidden(x, None, *extra))  # (B, T, C)
+            return topk_lm_loss(h, m.lm_head.weight, m.cfg.vocab_size, topk, y, s.temperature,
+                                s.kl_weight, s.ce_weight)  # fmt: skip
         logits = self.student(x, None, *extra)  # (B, T, V)
         loss = logits.new_zeros((), dtype=torch.float32)
         if s.kl_weight:
             if topk:
-                kl = topk_distill_loss(logits, topk[0], topk[1], y, s.loss, s.temperature)
+                kl = topk_distill_loss(logits, *topk, y, s.temperature)
             else:
                 with torch.no_grad():
                     teacher_logits = self.teacher(x, None, *extra)  # (B, T, V)
@@ -164,6 +169,21 @@ class DistillStep:
             )  # fmt: skip
             loss = loss + s.ce_weight * ce
         return loss
+
+    @staticmethod
+    def fused(student: Any) -> bool:
+        """Whether the top-k loss can run chunked from hidden states (a bare model, no extras).
+
+        Otherwise the (B, T, V) logits, their softmax and its backward are made in full, which
+        costs CPU time a scratch step (the chunked lm_loss) does not spend.
+        """
+        cfg = getattr(student, "cfg", None)
+        return (
+            isinstance(student, Transformer)
+            and cfg.logit_softcap is None
+            and cfg.moe is None
+            and type(student).forward is Transformer.forward
+        )
 
     def on_policy_loss(self, x: Tensor, sample_seed: int) -> Tensor:
         """GKD: the student continues each window's prompt; the KL on its sampled tokens."""
@@ -314,13 +334,14 @@ def topk_folder(cfg: DistillConfig, k: int | None = None) -> Path:
     s = cfg.distill
     if s.topk_dir:
         return Path(s.topk_dir)
-    return distill_topk.default_dir(cfg.data.dataset, k or s.topk, cfg.data.seq_len)
+    return distill_topk.default_dir(cfg.data.dataset, k or s.topk, cfg.data.seq_len, s.temperature)
 
 
 def topk_manifest(cfg: DistillConfig, data: TokenShards, teacher_sha256: str, k: int = 0) -> Any:
     """What the run's top-k shards must have been made from."""
+    s = cfg.distill
     return distill_topk.expected_manifest(
-        k or cfg.distill.topk, cfg.data.seq_len, teacher_sha256, data.fingerprint()
+        k or s.topk, cfg.data.seq_len, s.temperature, teacher_sha256, data.fingerprint()
     )
 
 
@@ -378,7 +399,7 @@ def build_trainer(
     if s.ce_weight:
         mix += f" + {s.ce_weight:g}·CE"
     if s.topk:
-        mix += f", teacher top-{s.topk} from {s.topk_dir} (renormalised teacher, full student)"
+        mix += f", teacher top-{s.topk} + tail bucket from {s.topk_dir}"
     if s.on_policy:
         mix += f", on-policy fraction {s.on_policy:g} (GKD)"
     trainer.say(f"kiln distill: teacher {s.teacher} ({n_teacher:,} parameters), student "

@@ -1,26 +1,28 @@
-"""The teacher's top-k logits, computed once into shards beside the token shards.
+"""The teacher's top-k, computed once into shards beside the token shards.
 
 `distill.topk = K` (or `kiln distill CONFIG --precompute-topk K`) runs the teacher once over
-every training window of the dataset's train split and keeps, per position, its K largest
-logits and their token ids:
+every training window of the dataset's train split and keeps, per position, its K most likely
+token ids, their log-probabilities at the run's temperature τ, and the log of the mass left
+outside them:
 
-    DATASET/teacher_topk/k{K}_T{seq_len}/   (or distill.topk_dir)
-        manifest.json   k, seq_len, windows, the teacher's weights and sha256, the data's
-                        fingerprint, the size in bytes
-        ids.npy         (windows, T, K) int32, token ids, largest logit first
-        logits.npy      (windows, T, K) float32, the teacher's raw logits (τ is applied later)
+    DATASET/teacher_topk/k{K}_T{seq_len}_tau{τ}/   (or distill.topk_dir)
+        manifest.json   format 2, k, seq_len, temperature, windows, the teacher's weights and
+                        sha256, the data's fingerprint, the size in bytes
+        ids.npy         (windows, T, K) int32, token ids, most likely first
+        logprobs.npy    (windows, T, K) float32, log softmax(teacher logits / τ) at the ids
+        tail.npy        (windows, T) float32, log(1 − Σ p_k) (−inf when K = V)
 
 The loader's windows are fixed (window w is tokens [w·T, w·T + T + 1) of the split), so a
 window's top-k does not depend on the epoch or the seed and is read back by window index. The
 folder is written under a temporary name and renamed when complete. A folder made by another
-teacher, dataset, K or seq_len is refused in one line (rebuild it with --force).
+teacher, dataset, K, seq_len or τ is refused in one line (rebuild it with --force), and so is
+a format-1 folder (raw top-k logits with no tail mass, which this loss cannot be computed from).
 
-The loss over the shards is the forward KL from the teacher's top-k *renormalised* to the
-student's full softmax read at those K ids (`topk_distill_loss`): the teacher's tail mass goes
-to its top-k, and the student is pulled to put its mass there; with K = V it is the full KL.
-(Renormalising the student over the K ids too, as a first version did, leaves its mass outside
-them free: on bench/distill.py a student trained so reached 5.49 nats/token where the same
-steps from scratch reached 4.51.)
+The loss over the shards (`kiln.model.loss.topk_distill_loss`) is the forward KL over K + 1
+buckets, the K ids and "everything else", between the teacher's and the student's
+distributions, both summing to one; K = V gives the full-vocabulary KL. Earlier versions
+renormalised the teacher over its top-k (no tail bucket): on bench/distill.py its students
+lost to scratch even at equal steps (4.98 vs 4.51 nats/token, τ = 2).
 """
 
 from __future__ import annotations
@@ -41,22 +43,28 @@ from kiln.data.loader import window_stream
 from kiln.errors import KilnError
 from kiln.folders import remove_dir
 from kiln.io import write_json_atomic
+from kiln.model.loss import teacher_topk
 
-FORMAT = 1
+FILES = ("ids.npy", "logprobs.npy", "tail.npy")
+FORMAT = 2  # 1: raw top-k logits, no tail mass (refused: the K + 1 bucket KL needs it)
 
 
-def default_dir(dataset_root: str | Path, k: int, seq_len: int) -> Path:
-    """Where the shards of K and seq_len live when distill.topk_dir is not given."""
-    return Path(dataset_root) / "teacher_topk" / f"k{k}_T{seq_len}"
+def default_dir(dataset_root: str | Path, k: int, seq_len: int, temperature: float) -> Path:
+    """Where the shards of K, seq_len and τ live when distill.topk_dir is not given."""
+    return Path(dataset_root) / "teacher_topk" / f"k{k}_T{seq_len}_tau{temperature:g}"
 
 
 def expected_manifest(
-    k: int, seq_len: int, teacher_sha256: str, data_fingerprint: dict[str, Any]
+    k: int,
+    seq_len: int,
+    temperature: float,
+    teacher_sha256: str,
+    data_fingerprint: dict[str, Any],
 ) -> dict[str, Any]:
     """The fields a usable manifest must hold (besides sizes and paths)."""
     return {
-        "format": FORMAT, "k": k, "seq_len": seq_len, "split": "train",
-        "teacher_sha256": teacher_sha256, "data": data_fingerprint,
+        "format": FORMAT, "k": k, "seq_len": seq_len, "temperature": temperature,
+        "split": "train", "teacher_sha256": teacher_sha256, "data": data_fingerprint,
     }  # fmt: skip
 
 
@@ -69,6 +77,12 @@ def check_manifest(folder: Path, want: dict[str, Any]) -> dict[str, Any]:
         raise KilnError(
             f"{path}: unreadable top-k manifest ({exc}); rebuild with --force"
         ) from None
+    if have.get("format") != FORMAT:
+        raise KilnError(
+            f"{folder}: top-k shards of format {have.get('format')} (raw top-k logits, no tail "
+            f"mass); this kiln needs format {FORMAT} (log-probs at τ and the tail mass): rebuild "
+            "them with `kiln distill CONFIG --precompute-topk K --force`"
+        )
     for key, value in want.items():
         if have.get(key) != value:
             got, need = have.get(key), value
@@ -93,8 +107,8 @@ def precompute(
     batch: int = 8,
     say: Any = print,
 ) -> dict[str, Any]:
-    """Run the teacher over every window of `split`; write ids.npy, logits.npy, manifest.json."""
-    k, T = want["k"], want["seq_len"]
+    """Run the teacher over every window of `split`; write the ids, log-probs, tail, manifest."""
+    k, T, tau = want["k"], want["seq_len"], want["temperature"]
     n = (split.n_tokens - 1) // T
     if n < 1:
         raise KilnError(f"the train split has {split.n_tokens} tokens, fewer than one window")
@@ -106,24 +120,26 @@ def precompute(
         remove_dir(tmp)
     tmp.mkdir(parents=True)
     ids = open_memmap(tmp / "ids.npy", mode="w+", dtype=np.int32, shape=(n, T, k))
-    logits = open_memmap(tmp / "logits.npy", mode="w+", dtype=np.float32, shape=(n, T, k))
+    logp = open_memmap(tmp / "logprobs.npy", mode="w+", dtype=np.float32, shape=(n, T, k))
+    tail = open_memmap(tmp / "tail.npy", mode="w+", dtype=np.float32, shape=(n, T))
     teacher.eval()
     device = next(teacher.parameters()).device
     started, shown = time.perf_counter(), 0.0
     for lo in range(0, n, batch):
         hi = min(n, lo + batch)
         rows = np.stack([split.read(w * T, T) for w in range(lo, hi)]).astype(np.int64)
-        out = teacher(torch.from_numpy(rows).to(device)).float()  # (b, T, V)
-        values, index = out.topk(k, dim=-1)
-        ids[lo:hi], logits[lo:hi] = index.cpu().numpy(), values.cpu().numpy()
+        out = teacher(torch.from_numpy(rows).to(device))  # (b, T, V)
+        index, values, rest = teacher_topk(out, k, tau)
+        ids[lo:hi], logp[lo:hi] = index.cpu().numpy(), values.cpu().numpy()
+        tail[lo:hi] = rest.cpu().numpy()
         elapsed = time.perf_counter() - started
         if elapsed - shown > 5 or hi == n:
             shown, rate = elapsed, hi / max(elapsed, 1e-9)
             say(f"kiln distill: top-{k} of the teacher {hi:,}/{n:,} windows, {rate:,.1f} "
                 f"windows/s, ETA {(n - hi) / rate:,.0f}s")  # fmt: skip
-    ids.flush(), logits.flush()
-    del ids, logits
-    size = sum((tmp / f).stat().st_size for f in ("ids.npy", "logits.npy"))
+    ids.flush(), logp.flush(), tail.flush()
+    del ids, logp, tail
+    size = sum((tmp / f).stat().st_size for f in FILES)
     manifest = {**want, "windows": n, "teacher_weights": teacher_weights, "bytes": size}
     write_json_atomic(tmp / "manifest.json", manifest)
     if folder.exists():
@@ -154,32 +170,40 @@ def ensure(
 
 
 class TopkShards:
-    """The shards of one folder, memory-mapped: (ids, logits) of given windows."""
+    """The shards of one folder, memory-mapped: (ids, log-probs, tail) of given windows."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.ids = np.load(folder / "ids.npy", mmap_mode="r")
-        self.logits = np.load(folder / "logits.npy", mmap_mode="r")
+        missing = [f for f in FILES if not (folder / f).is_file()]
+        if missing:
+            raise KilnError(f"{folder}: top-k shards without {', '.join(missing)}; rebuild "
+                            "them with `kiln distill CONFIG --precompute-topk K --force`")  # fmt: skip
+        self.ids, self.logp, self.tail = (np.load(folder / f, mmap_mode="r") for f in FILES)
 
-    def rows(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, logits) of these windows, (len(windows), T, K) each."""
+    def rows(self, windows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(ids, log-probs) (len(windows), T, K) and the tail (len(windows), T) of these windows."""
         order = np.asarray(windows, dtype=np.int64)
-        return np.ascontiguousarray(self.ids[order]), np.ascontiguousarray(self.logits[order])
+        return tuple(np.ascontiguousarray(a[order]) for a in (self.ids, self.logp, self.tail))
 
 
 class TopkBatch:
     """A loader batch plus the teacher's top-k of its windows."""
 
-    def __init__(self, batch: Any, ids: np.ndarray, logits: np.ndarray) -> None:
-        self.batch, self.ids, self.logits = batch, ids, logits
+    def __init__(self, batch: Any, ids: np.ndarray, logp: np.ndarray, tail: np.ndarray) -> None:
+        self.batch, self.ids, self.logp, self.tail = batch, ids, logp, tail
         self.cursor = batch.cursor
 
     def to_torch(self, device: str | torch.device | None = None) -> tuple[Tensor, ...]:
-        """(inputs, targets, ids (B, T, K) int64, teacher logits (B, T, K))."""
+        """(inputs, targets, ids (B, T, K) int64, log-probs (B, T, K), log tail mass (B, T))."""
         x, y = self.batch.to_torch(device)
-        ids = torch.from_numpy(self.ids).long()
-        logits = torch.from_numpy(self.logits)
-        return x, y, ids.to(x.device), logits.to(x.device)
+        ids = torch.from_numpy(self.ids).long().to(x.device)
+        return (
+            x,
+            y,
+            ids,
+            torch.from_numpy(self.logp).to(x.device),
+            torch.from_numpy(self.tail).to(x.device),
+        )
 
 
 class TopkLoader:
