@@ -4,7 +4,9 @@ Tokenizer -> token shards -> a small Llama-style model -> validation loss -> thr
 stories -> a report, all under one run folder.
 
 Training is sized by time, not steps: the demo config's `train.time_budget` (10 minutes, or
-`--minutes N`) so the demo ends on time on a slow CPU and trains longer on a fast one. The other
+`--minutes N`, which also picks the recipe made for the nearest budget: demo.toml for 10,
+demo_60m.toml for 60; see `demo_recipe`) so the demo ends on time on a slow CPU and trains longer
+on a fast one. The other
 stages cost little beside it (measured on a 2-core machine shared with other jobs: tokenizer and
 shards under a second each, model set-up under a second, a checkpoint under 0.2 s, the three
 stories 6-15 s, the report ~1 s; a validation pass with its samples cost 1-10 steps of 16k
