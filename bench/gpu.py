@@ -8,7 +8,9 @@ against SDPA. One JSON line per figure; under 10 minutes on one H100/H200.
 Each figure is an `Entry` in `ENTRIES`: a name, what it measures, a `check` for --dry-run (the
 configs build, the model's shapes, the kernels it selects, a tiny CPU run of the same code) and a
 `run` that measures on the device and returns the figure's records. Other work adds entries
-there (the serving race below; an H200 speedrun recipe). The MFU runs are bench/mfu.py's: kiln's Trainer on
+there (the serving race below; the CPU speedrun's recipe at one H200-hour, which alone trains
+60 minutes, so it is `long`: measured only with --only speedrun_h200_60m, checked by --dry-run
+like the others; --speedrun-minutes shortens it). The MFU runs are bench/mfu.py's: kiln's Trainer on
 bench/train.py's TinyStories shards, tokens/s and MFU from the trainer's own metrics.jsonl (MFU
 against the device's bf16 dense peak, for fp8 too: it says how much faster the same model
 trains, not how full the fp8 units are). The attention figure is bench/attention.py's
@@ -48,6 +50,7 @@ class Entry:
     what: str
     check: Callable[[argparse.Namespace], dict[str, Any]]
     run: Callable[[argparse.Namespace], list[dict[str, Any]]]
+    long: bool = False  # over the 10 minutes: measured only when --only names it
 
 
 # ---- MFU: GPT-2-124M training --------------------------------------------------------------------
@@ -198,6 +201,77 @@ def run_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+# ---- the CPU speedrun's recipe at one H200-hour ------------------------------------------------
+
+SPEEDRUN_H200 = ROOT / "configs" / "speedrun_h200_60m.toml"
+# The plan's prediction for the holdout bpb (docs/speedrun.md, "At larger budgets"): the fit of
+# real CPU runs, data-constrained (1.44M unique tokens), extrapolated far beyond its runs.
+SPEEDRUN_H200_EXPECTED_BPB = 0.70
+
+
+def speedrun_h200_config(args: argparse.Namespace, data: str, run: str) -> Any:
+    """configs/speedrun_h200_60m.toml on the speedrun's data, --speedrun-minutes of training."""
+    from kiln.train.config import load_train_config
+
+    sets = [f"data.dataset={data}", f"logging.run_dir={run}", "logging.progress=false",
+            f"train.time_budget={args.speedrun_minutes * 60:g}"]  # fmt: skip
+    return load_train_config(SPEEDRUN_H200, sets)
+
+
+def check_speedrun_h200(args: argparse.Namespace) -> dict[str, Any]:
+    """--dry-run: the config loads, its shape on meta, its memory fits the H200, a bpb expected."""
+    import torch
+
+    from kiln.hardware import accelerator
+    from kiln.model import Transformer
+    from kiln.model.accounting import memory_estimate
+
+    cfg = speedrun_h200_config(args, "/nonexistent/data", "/nonexistent/run")
+    model_cfg = cfg.model_config(4096)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert params == model_cfg.num_params(), "the accounting and the model disagree"
+    mem = memory_estimate(model_cfg, cfg.batch.micro_batch, cfg.data.seq_len)
+    h200 = accelerator("h200")
+    assert mem.total < 0.8 * h200.memory_bytes, f"{mem.total / 2**30:.1f} GiB will not fit"
+    assert cfg.train.device == "cuda" and cfg.train.dtype == "bf16"
+    assert model_cfg.mup_base_width == 256, "the lr is µP-transferred from the 256-wide demo"
+    assert 0.3 < SPEEDRUN_H200_EXPECTED_BPB < 2.0, "the entry states the fit's expected bpb"
+    return {"params": params, "n_layer": model_cfg.n_layer, "n_embd": model_cfg.n_embd,
+            "memory_gib": round(mem.total / 2**30, 2), "expected_bpb": SPEEDRUN_H200_EXPECTED_BPB,
+            "budget_s": cfg.train.budget_seconds}  # fmt: skip
+
+
+def run_speedrun_h200(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train the H200 recipe for --speedrun-minutes; holdout and valid bpb as the CPU speedrun."""
+    import torch
+
+    from bench.speedrun import EOT, VALID_TEXT, prepare, split_stories
+    from kiln.eval.lm import stream_bits_per_byte
+    from kiln.eval.scoring import Scorer
+    from kiln.tokenizer import Tokenizer
+    from kiln.train.trainer import Trainer
+
+    cache = Path("/tmp/kiln-speedrun")
+    prep = prepare(cache, "4096")
+    run_dir = Path(tempfile.mkdtemp(prefix="kiln-gpu-speedrun-"))
+    trainer = Trainer(speedrun_h200_config(args, f"{prep['dir']}/data", str(run_dir)), run_dir)
+    result = trainer.run()
+    tok = Tokenizer.load(Path(prep["dir"]) / "tokenizer.json")
+    scorer = Scorer(trainer.model.eval(), batch_size=64, progress=False)
+    bpb = {}
+    with torch.no_grad():
+        for name, path in (("holdout", split_stories(cache)[1]), ("valid", VALID_TEXT)):
+            bpb[name] = stream_bits_per_byte(scorer, tok, path, tok.special_tokens[EOT])
+    return [{
+        "value": bpb["valid"].bits_per_byte, "unit": "valid bits per byte",
+        "holdout_bpb": bpb["holdout"].bits_per_byte, "expected_bpb": SPEEDRUN_H200_EXPECTED_BPB,
+        "steps": result.step, "tokens": result.tokens, "train_s": trainer.train_seconds,
+        "epochs": result.tokens / prep["train_tokens"], "params": trainer.model_cfg.num_params(),
+    }]  # fmt: skip
+
+
 # ---- serving: kiln's engine against HF generate and vLLM ---------------------------------------
 
 
@@ -322,6 +396,9 @@ ENTRIES: list[Entry] = [
           check_attention, run_attention),
     Entry("serve_engine_vs_hf_vllm", "decode tokens/s, 32 requests x 64 tokens, GPT-2-124M bf16: "
           "kiln's engine vs HF generate (and vLLM where installed)", check_serve, run_serve),
+    Entry("speedrun_h200_60m", "the CPU speedrun's recipe at 1 H200-hour (configs/"
+          "speedrun_h200_60m.toml): valid bpb against the fit's expected bpb; 60 min + scoring",
+          check_speedrun_h200, run_speedrun_h200, long=True),
 ]  # fmt: skip
 
 
@@ -334,9 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--global-tokens", type=int, default=16 * 1024 * 4)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/kiln-bench-train"))
+    parser.add_argument(
+        "--speedrun-minutes",
+        type=float,
+        default=60.0,
+        help="training minutes of speedrun_h200_60m (default 60, its recipe's)",
+    )
     add_noisy_flag(parser)
     args = parser.parse_args(argv)
-    entries = [e for e in ENTRIES if not args.only or e.name in args.only]
+    entries = [e for e in ENTRIES if e.name in args.only] if args.only else ENTRIES
+    if not args.dry_run and not args.only:
+        entries = [e for e in entries if not e.long]
     if args.dry_run:  # before kiln.kernels is imported: the Triton kernels run interpreted
         os.environ.setdefault("TRITON_INTERPRET", "1")
         failed = 0

@@ -4,7 +4,9 @@ Tokenizer -> token shards -> a small Llama-style model -> validation loss -> thr
 stories -> a report, all under one run folder.
 
 Training is sized by time, not steps: the demo config's `train.time_budget` (10 minutes, or
-`--minutes N`) so the demo ends on time on a slow CPU and trains longer on a fast one. The other
+`--minutes N`, which also picks the recipe made for the nearest budget: demo.toml for 10,
+demo_60m.toml for 60; see `demo_recipe`) so the demo ends on time on a slow CPU and trains longer
+on a fast one. The other
 stages cost little beside it (measured on a 2-core machine shared with other jobs: tokenizer and
 shards under a second each, model set-up under a second, a checkpoint under 0.2 s, the three
 stories 6-15 s, the report ~1 s; a validation pass with its samples cost 1-10 steps of 16k
@@ -36,6 +38,22 @@ STORY_PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom a
 DEMO_MARKER = ".kiln-demo"  # marks a folder `kiln demo --force` may replace
 DEMO_ENTRIES = {DEMO_MARKER, "tokenizer.json", "data", "train", "report"}
 DEMO_SAMPLE = "Once upon a time, a little robot named Kiln baked 3 loaves of bread. It's warm!"
+# The prepared recipes by the training minutes they were made for (docs/speedrun.md).
+RECIPES = {10.0: "demo.toml", 60.0: "demo_60m.toml"}
+
+
+def demo_recipe(minutes: float | None) -> str:
+    """The recipe for a budget: the one made for the nearest number of minutes, in ratio.
+
+    10 minutes (or no --minutes) is demo.toml, 60 is demo_60m.toml; between them the switch is
+    at their geometric mean, √600 ≈ 24.5 minutes. The run trains for the minutes given.
+    """
+    if minutes is None:
+        return RECIPES[10.0]
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise KilnError(f"--minutes must be a positive number, got {minutes}")
+    made_for = min(RECIPES, key=lambda m: abs(math.log(minutes / m)))
+    return RECIPES[made_for]
 
 
 def _step(n: int, text: str) -> None:
@@ -110,7 +128,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
     # A bad --minutes or --set fails here, with the overrides the run will use, and so do the
     # Trainer's own checks that need no data (a --force must not delete the old run first).
-    cfg = load_train_config(asset("demo.toml"), [*_length_overrides(args), *args.set])
+    cfg = load_train_config(asset(demo_recipe(args.minutes)), [*_length_overrides(args), *args.set])
     resolve_device(cfg.train.device)
     accumulation_steps(cfg.batch.global_tokens, 1, cfg.batch.micro_batch, cfg.data.seq_len)
     for i, prompt in enumerate(cfg.eval.sample_prompts):
@@ -203,7 +221,9 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[T
 
     overrides = [f"data.dataset={data_dir}", f"logging.run_dir={out / 'train'}"]
     overrides += _length_overrides(args)
-    cfg = load_train_config(asset("demo.toml"), [*overrides, *args.set])
+    recipe = demo_recipe(args.minutes)
+    cfg = load_train_config(asset(recipe), [*overrides, *args.set])
+    print(f"  recipe kiln/assets/{recipe} (made for {_made_for(recipe):g} training minutes)")
     trainer = Trainer(cfg, out / "train")
     n_params = sum(p.numel() for p in trainer.model.parameters())
     length = (
@@ -226,8 +246,13 @@ def _train_model(out: Path, data_dir: Path, args: argparse.Namespace) -> tuple[T
     return trainer, result
 
 
+def _made_for(recipe: str) -> float:
+    return next(m for m, name in RECIPES.items() if name == recipe)
+
+
 def _length_overrides(args: argparse.Namespace) -> list[str]:
     """--steps N (exactly N steps, no budget) or --minutes N (the budget), else the config's."""
+    demo_recipe(args.minutes)  # a bad --minutes is refused even beside --steps
     if args.steps is not None:
         return [f"train.max_steps={args.steps}", "train.time_budget=none"]
     if args.minutes is not None:
@@ -289,6 +314,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         "run the whole path on the embedded TinyStories corpus",
         "examples:\n  kiln demo --out runs/demo\n  kiln demo --minutes 2   # a quick look\n"
+        "  kiln demo --minutes 60  # the 1-hour recipe (a wider model, µP-transferred lr)\n"
         "  kiln demo --steps 20    # exactly 20 steps\n"
         "  kiln demo --chat        # on to a chat model: SFT, GRPO, success tables (30 min)",
         description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
@@ -296,14 +322,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sample three stories; everything goes under one run folder.",
     )
     parser.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument(
+    parser.add_argument(
         "--minutes",
         type=float,
-        help="training time budget in minutes (default: the demo config's 10; evaluation, "
-        "sampling and checkpoints not counted); with --chat the whole chain's (default 30)",
+        help="training time budget in minutes (default 10; evaluation, sampling and checkpoints "
+        "not counted); it picks the recipe made for the nearest budget: demo.toml (10) below "
+        "24.5 minutes, demo_60m.toml (60) above; with --chat the whole chain's (default 30)",
     )
-    length.add_argument("--steps", type=int, help="train exactly this many steps (no budget)")
+    parser.add_argument(
+        "--steps", type=int, help="train exactly this many steps (no budget) of that recipe"
+    )
     parser.add_argument("--story-tokens", type=int, default=160, help="tokens per story")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="train config override"

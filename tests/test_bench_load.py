@@ -163,6 +163,7 @@ SCRIPTS = {
     "mfu": ["--smoke", "--cache", "T/c"],
     "model": [],
     "mup": ["--cache", "T/c", "--out-dir", "T/o", "--plot", "T/p.png"],
+    "mup_demo": ["--cache", "T/c", "--out-dir", "T/o", "--plot", "T/p.png"],
     "posttrain": ["--sft", "T/sft", "--chat", "T/chat", "--out", "T/o"],
     "posttrain_sft": ["--demo", "T/demo", "--out", "T/o"],
     "posttrain_trl": ["--tiny", "--out", "T/o"],

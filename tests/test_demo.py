@@ -54,3 +54,24 @@ def test_demo_trains_for_a_time_budget_and_says_its_dtype(tmp_path, capsys) -> N
 
 def test_demo_minutes_must_be_positive(tmp_path) -> None:
     assert main(["demo", "--out", str(tmp_path / "d"), "--minutes", "0"]) == 2
+
+
+def test_demo_minutes_pick_the_recipe_made_for_the_nearest_budget() -> None:
+    from kiln.demo import demo_recipe
+
+    assert demo_recipe(None) == demo_recipe(10) == demo_recipe(0.01) == "demo.toml"
+    assert demo_recipe(24) == "demo.toml" and demo_recipe(25) == "demo_60m.toml"
+    assert demo_recipe(60) == demo_recipe(600) == "demo_60m.toml"
+
+
+def test_demo_60_minutes_trains_the_one_hour_recipe(tmp_path, capsys) -> None:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--out", str(out), "--minutes", "60", "--steps", "1", "--vocab-size",
+               "512", "--story-tokens", "4", "--set", "eval.batches=1"])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "recipe kiln/assets/demo_60m.toml (made for 60 training minutes)" in printed
+    config = (out / "train" / "config.toml").read_text()
+    assert "n_embd = 512" in config and "mup_base_width = 256" in config
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert summary["steps"] == 1

@@ -20,7 +20,9 @@ ACCOUNT_EXAMPLES = """examples:
 PLAN_EXAMPLES = """examples:
   kiln scaling plan --flops 1e21 --gpu h100 --n 8 --mfu 0.4
   kiln scaling plan --params 1e9 --law epoch --gpu a100 --n 64
-  kiln scaling plan --tokens 2e11 --law 20x --family gpt2 --seq-len 1024"""
+  kiln scaling plan --tokens 2e11 --law 20x --family gpt2 --seq-len 1024
+  kiln scaling plan --hours 1 --gpu h200 --n 1 --law fit/fit.json --unique-tokens 1.44e6
+  kiln scaling plan --hours 1 --rate 3e11 --law fit/fit.json --vocab-size 4096 --seq-len 256"""
 
 SWEEP_EXAMPLES = """examples:
   kiln scaling sweep --base configs/tiny.toml --set data.dataset=data/tiny \\
@@ -68,7 +70,25 @@ def register(sub: Any) -> None:
     given.add_argument("--flops", type=float, help="training compute C in FLOPs")
     given.add_argument("--params", type=float, help="model size N in parameters")
     given.add_argument("--tokens", type=float, help="training tokens D")
-    p.add_argument("--law", default="chinchilla", help="chinchilla (default), epoch or 20x")
+    given.add_argument("--hours", type=float, help="training time: the budget that fills it")
+    p.add_argument(
+        "--law",
+        default="chinchilla",
+        help="chinchilla (default), epoch, 20x, or a `kiln scaling fit` fit.json",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        metavar="FLOP/S",
+        help="measured training FLOP/s (exact count) instead of --gpu's peak × --mfu",
+    )
+    p.add_argument(
+        "--unique-tokens",
+        type=float,
+        metavar="U",
+        help="distinct tokens in the data: epochs, repeated data's effective tokens "
+        "(Muennighoff et al. 2023), and with a fitted law N chosen for them",
+    )
     p.add_argument("--gpu", default="h100", help="accelerator (h100, h100-pcie, h200, b200, "
                    "a100, l40s, v100, ...)")  # fmt: skip
     p.add_argument("--n", type=int, default=8, help="number of GPUs (default 8)")
@@ -277,13 +297,18 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print a compute-optimal plan."""
     from kiln.hardware import accelerator
     from kiln.scaling.laws import get_law
-    from kiln.scaling.plan import make_plan
+    from kiln.scaling.plan import make_plan, plan_for_time
 
-    plan = make_plan(
-        get_law(args.law), flops=args.flops, params=args.params, tokens=args.tokens,
+    hardware = dict(
         gpu=accelerator(args.gpu), n_gpus=args.n, mfu=args.mfu, precision=args.precision,
-        family=args.family, vocab_size=args.vocab_size, seq_len=args.seq_len,
+        family=args.family, vocab_size=args.vocab_size, seq_len=args.seq_len, rate=args.rate,
+        unique_tokens=args.unique_tokens,
     )  # fmt: skip
+    law = get_law(args.law)
+    if args.hours is not None:
+        plan = plan_for_time(law, args.hours * 3600, **hardware)
+    else:
+        plan = make_plan(law, flops=args.flops, params=args.params, tokens=args.tokens, **hardware)
     cost = None if args.usd_per_gpu_hour is None else plan.gpu_hours * args.usd_per_gpu_hour
     if args.json:
         print(json.dumps({**plan.to_dict(), "usd": cost}, indent=2))
@@ -294,13 +319,22 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"compute      C = {plan.flops:.3g} FLOPs (6·N·D)")
     print(f"parameters   N = {plan.params:.3g}")
     print(f"tokens       D = {plan.tokens:.3g} ({plan.tokens / plan.params:.1f} per parameter)")
+    if plan.epochs is not None:
+        print(f"data         {plan.epochs:.1f} epochs of {plan.unique_tokens:.3g} unique tokens; "
+              f"effective tokens {plan.effective_tokens:.3g}, effective parameters "
+              f"{plan.effective_params or plan.params:.3g} (Muennighoff et al. 2023)")  # fmt: skip
     print(f"shape        {args.family} {s.label}: n_layer {s.config.n_layer}, n_embd "
           f"{s.config.n_embd}, n_head {s.config.n_head}, kv heads {s.config.kv_heads}, d_ff "
           f"{s.config.ff_size}, vocab {s.config.vocab_size:,} -> {s.params:,} parameters")  # fmt: skip
     print(f"exact FLOPs  {plan.train_flops:.3g} (with attention at T = {args.seq_len})")
-    print(f"time         {_duration(plan.seconds)} on {plan.n_gpus} × {plan.gpu} "
-          f"({plan.precision}, MFU {plan.mfu:.0%}) = {plan.gpu_hours:,.0f} GPU-hours, from the "
-          f"exact FLOPs ({_duration(plan.seconds_6nd)} from 6·N·D)")  # fmt: skip
+    where = (
+        f"at the measured {plan.rate:.3g} FLOP/s"
+        if plan.rate is not None
+        else f"on {plan.n_gpus} × {plan.gpu} ({plan.precision}, MFU {plan.mfu:.0%}) = "
+        f"{plan.gpu_hours:,.1f} GPU-hours"
+    )
+    print(f"time         {_duration(plan.seconds)} {where}, from the exact FLOPs "
+          f"({_duration(plan.seconds_6nd)} from 6·N·D)")  # fmt: skip
     activations = "fp32" if plan.precision in ("fp32", "tf32") else "bf16 autocast"
     print(
         f"memory/GPU   {plan.memory_per_gpu / 2**30:.1f} GiB (states sharded over "

@@ -17,8 +17,10 @@ useful part):
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
@@ -120,11 +122,71 @@ LAWS: dict[str, ScalingLaw | TokensPerParam] = {
 
 
 def get_law(name: str) -> ScalingLaw | TokensPerParam:
-    """A law by name: chinchilla, epoch or 20x."""
+    """A law by name (chinchilla, epoch or 20x), or the fitted law of a `kiln scaling fit` fit.json."""
+    if name.endswith(".json") or Path(name).is_file():
+        return load_fitted_law(name)
     try:
         return LAWS[name]
     except KeyError:
-        raise KilnError(f"unknown scaling law {name!r}; known: {', '.join(LAWS)}") from None
+        raise KilnError(
+            f"unknown scaling law {name!r}; known: {', '.join(LAWS)}, or a fit.json path"
+        ) from None
+
+
+def load_fitted_law(path: str | Path) -> ScalingLaw:
+    """The parametric L(N, D) (approach 3) that `kiln scaling fit` wrote to fit.json."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KilnError(f"{path}: cannot read the fit ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise KilnError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    fit = doc.get("parametric") if isinstance(doc, dict) else None
+    if not isinstance(fit, dict):
+        raise KilnError(f"{path}: no parametric fit (a `kiln scaling fit` fit.json has one)")
+    try:
+        consts = {k: float(fit[k]) for k in ("E", "A", "B", "alpha", "beta")}
+    except (KeyError, TypeError, ValueError):
+        raise KilnError(f"{path}: parametric fit needs numbers E, A, B, alpha, beta") from None
+    return ScalingLaw(**consts, name=str(path), source=f"kiln scaling fit ({path})")
+
+
+# Muennighoff et al. (2023), "Scaling Data-Constrained Language Models", eq. (5) fitted: repeated
+# tokens are worth less each epoch, and past ~R* repetitions little more is learnt; parameters
+# beyond what the unique data is compute-optimal for decay likewise, faster (R*_N).
+REPEAT_R_STAR = 15.4
+EXCESS_PARAMS_R_STAR = 5.3
+
+
+def effective_tokens(tokens: float, unique: float, r_star: float = REPEAT_R_STAR) -> float:
+    """Fresh-data equivalent of training `tokens` on `unique` distinct tokens, repeated.
+
+    D' = U + U·R*·(1 − exp(−R/R*)) with R = tokens/U − 1 repetitions (Muennighoff et al. 2023);
+    D' = tokens while the data lasts one epoch.
+    """
+    _positive("tokens", tokens)
+    _positive("unique tokens", unique)
+    if tokens <= unique:
+        return tokens
+    repeats = tokens / unique - 1
+    return unique + unique * r_star * (1 - math.exp(-repeats / r_star))
+
+
+def effective_params(
+    params: float, unique_params: float, r_star: float = EXCESS_PARAMS_R_STAR
+) -> float:
+    """N' = U_N + U_N·R*_N·(1 − exp(−R_N/R*_N)), R_N = N/U_N − 1 (Muennighoff et al. 2023).
+
+    U_N is the size compute-optimal for one epoch of the unique data; beyond it, extra
+    parameters are worth less; N' = N up to U_N.
+    """
+    _positive("params", params)
+    _positive("unique params", unique_params)
+    if params <= unique_params:
+        return params
+    excess = params / unique_params - 1
+    return unique_params + unique_params * r_star * (1 - math.exp(-excess / r_star))
 
 
 def _positive(what: str, value: float) -> None:

@@ -9,6 +9,8 @@ FLOPs of that shape (`ModelConfig.flops_per_token`, attention included) at the g
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ from kiln.errors import KilnError
 from kiln.hardware import Accelerator
 from kiln.model.accounting import memory_estimate
 from kiln.model.config import PRESETS, ModelConfig
-from kiln.scaling.laws import ScalingLaw, TokensPerParam
+from kiln.scaling.laws import ScalingLaw, TokensPerParam, effective_params, effective_tokens
 
 FAMILIES = {"llama": "llama-", "gpt2": "gpt2-"}
 HEAD_DIM = 64
@@ -53,6 +55,22 @@ class Plan:
     precision: str
     seconds: float  # from the exact FLOPs (the count kiln's trainer measures MFU against)
     memory_per_gpu: float  # weights+grads+optimizer sharded over the GPUs, plus activations
+    rate: float | None = None  # measured training FLOP/s that gave `seconds` (instead of peak·MFU)
+    unique_tokens: float | None = None  # distinct tokens in the data (None: unlimited)
+
+    @property
+    def epochs(self) -> float | None:
+        """Passes over the data the plan's tokens make (None without unique_tokens)."""
+        return None if self.unique_tokens is None else self.tokens / self.unique_tokens
+
+    effective_params: float | None = None  # N' of repeated data (None without unique_tokens)
+
+    @property
+    def effective_tokens(self) -> float:
+        """Fresh-data equivalent of the plan's tokens (Muennighoff et al. 2023 when repeated)."""
+        if self.unique_tokens is None:
+            return self.tokens
+        return effective_tokens(self.tokens, self.unique_tokens)
 
     @property
     def seconds_6nd(self) -> float:
@@ -74,6 +92,8 @@ class Plan:
             "mfu": self.mfu, "precision": self.precision, "seconds": self.seconds,
             "seconds_6nd": self.seconds_6nd,
             "gpu_hours": self.gpu_hours, "memory_per_gpu_bytes": self.memory_per_gpu,
+            "rate_flops_per_s": self.rate, "unique_tokens": self.unique_tokens,
+            "epochs": self.epochs, "effective_tokens": self.effective_tokens,
         }  # fmt: skip
 
 
@@ -110,9 +130,18 @@ def find_shape(
     """
     if not (target > 0 and math.isfinite(target)):
         raise KilnError(f"target parameter count must be positive, got {target}")
+    shapes = _candidate_shapes(family, vocab_size, seq_len)
+    if not shapes:  # the aspect range always admits some width for 1..160 layers
+        raise KilnError(f"no {family} shape found near {target:.3g} parameters")
+    return min(shapes, key=lambda shape: abs(math.log(shape.params / target)))
+
+
+@functools.lru_cache(maxsize=16)
+def _candidate_shapes(family: str, vocab_size: int | None, seq_len: int) -> tuple[Shape, ...]:
+    """Every shape find_shape may pick (built once per family, vocabulary and length)."""
     lo, hi = family_aspect_range(family)
     base = family_base(family, vocab_size, seq_len)
-    best: Shape | None = None
+    shapes = []
     for n_layer in range(1, 161):
         first = math.ceil(lo * n_layer / HEAD_DIM) * HEAD_DIM
         for width in range(max(first, HEAD_DIM), int(hi * n_layer) + 1, HEAD_DIM):
@@ -121,14 +150,8 @@ def find_shape(
             cfg = ModelConfig.from_dict(
                 {**base, "n_layer": n_layer, "n_embd": width, "n_head": n_head, **kv}
             )
-            shape = Shape(cfg, cfg.num_params())
-            if best is None or abs(math.log(shape.params / target)) < abs(
-                math.log(best.params / target)
-            ):
-                best = shape
-    if best is None:  # the aspect range always admits some width for 1..160 layers
-        raise KilnError(f"no {family} shape found near {target:.3g} parameters")
-    return best
+            shapes.append(Shape(cfg, cfg.num_params()))
+    return tuple(shapes)
 
 
 def make_plan(
@@ -145,32 +168,105 @@ def make_plan(
     vocab_size: int | None = None,
     seq_len: int = 2048,
     micro_batch: int = 1,
+    rate: float | None = None,
+    unique_tokens: float | None = None,
 ) -> Plan:
-    """Plan from exactly one of flops, params or tokens."""
+    """Plan from exactly one of flops, params or tokens.
+
+    `rate` (training FLOP/s measured on the machine) times the plan instead of the GPU's peak
+    × MFU. `unique_tokens` bounds the data: with a fitted law, N is then chosen to minimise the
+    loss at the repeated data's effective tokens (data_constrained_optimal), not L(N, D).
+    """
     given = [v is not None for v in (flops, params, tokens)]
     if sum(given) != 1:
-        raise KilnError("give exactly one of --flops, --params or --tokens")
+        raise KilnError("give exactly one of --flops, --params, --tokens or --hours")
     if not 0 < mfu <= 1:
         raise KilnError(f"--mfu must be in (0, 1], got {mfu}")
     if n_gpus < 1:
         raise KilnError(f"--n must be >= 1, got {n_gpus}")
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        raise KilnError(f"--rate must be a positive FLOP/s, got {rate}")
+    if unique_tokens is not None and not (unique_tokens > 0 and math.isfinite(unique_tokens)):
+        raise KilnError(f"--unique-tokens must be a positive count, got {unique_tokens}")
     if params is not None:
         flops = law.flops_for_params(params)
     elif tokens is not None:
         flops = law.flops_for_tokens(tokens)
     assert flops is not None
     n_opt, d_opt = law.optimal(flops)
+    if unique_tokens is not None and isinstance(law, ScalingLaw) and d_opt > unique_tokens:
+        n_opt, d_opt = data_constrained_optimal(law, flops, unique_tokens)
     shape = find_shape(n_opt, family, vocab_size, seq_len)
     train_flops = shape.config.flops_per_token(seq_len) * d_opt
-    seconds = train_flops / (gpu.peak(precision) * n_gpus * mfu)
+    seconds = train_flops / (rate if rate is not None else gpu.peak(precision) * n_gpus * mfu)
     # fp32 training keeps fp32 activations; every 16/8-bit peak assumes kiln's bf16 autocast.
     mem_precision = "fp32" if precision in ("fp32", "tf32") else "amp-bf16"
     mem = memory_estimate(shape.config, micro_batch, seq_len, mem_precision)
-    loss = law.loss(n_opt, d_opt) if isinstance(law, ScalingLaw) else None
+    n_eff, d_eff = n_opt, d_opt
+    if unique_tokens is not None and isinstance(law, ScalingLaw):
+        n_eff, d_eff = repeated_effective(law, n_opt, d_opt, unique_tokens)
+    loss = law.loss(n_eff, d_eff) if isinstance(law, ScalingLaw) else None
     return Plan(
         law=law.name, flops=flops, params=n_opt, tokens=d_opt, loss=loss, shape=shape,
         train_flops=train_flops, gpu=gpu.name, n_gpus=n_gpus, mfu=mfu, precision=precision,
-        seconds=seconds, memory_per_gpu=mem.states / n_gpus + mem.activations,
+        seconds=seconds, memory_per_gpu=mem.states / n_gpus + mem.activations, rate=rate,
+        unique_tokens=unique_tokens, effective_params=n_eff if unique_tokens else None,
+    )  # fmt: skip
+
+
+def repeated_effective(law: ScalingLaw, n: float, d: float, unique: float) -> tuple[float, float]:
+    """(N', D'): Muennighoff et al.'s effective parameters and tokens for d tokens on `unique`."""
+    unique_params = law.optimal(law.flops_for_tokens(unique))[0]
+    return effective_params(n, unique_params), effective_tokens(d, unique)
+
+
+def data_constrained_optimal(law: ScalingLaw, flops: float, unique: float) -> tuple[float, float]:
+    """(N, D) with 6·N·D = flops minimising L(N', D'), the effective size and data on `unique`.
+
+    A golden-section search over log N: the loss is unimodal in log N (the N term falls, the
+    effective-data term rises as D = C/6N shrinks).
+    """
+
+    def loss(log_n: float) -> float:
+        n = math.exp(log_n)
+        return law.loss(*repeated_effective(law, n, flops / (6 * n), unique))
+
+    lo, hi = math.log(1.0), math.log(flops / 6)  # from 1 parameter to 1 token
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(200):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if loss(a) < loss(b):
+            hi = b
+        else:
+            lo = a
+    n = math.exp((lo + hi) / 2)
+    return n, flops / (6 * n)
+
+
+def plan_for_time(law: ScalingLaw | TokensPerParam, seconds: float, **kwargs: Any) -> Plan:
+    """The plan that trains for `seconds` on the given hardware (or measured rate).
+
+    The budget is rescaled by the planned time's ratio until the shape settles; the shapes are
+    discrete, so the returned plan then trains that shape for exactly the tokens the time buys
+    (as the trainer's time budget does), its N the shape's and its loss the law's at that N, D.
+    """
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise KilnError(f"--hours must be a positive number, got {seconds / 3600:g}")
+    plan = make_plan(law, flops=1e12, **kwargs)
+    for _ in range(8):
+        plan = make_plan(law, flops=plan.flops * seconds / plan.seconds, **kwargs)
+        if abs(plan.seconds / seconds - 1) < 1e-3:
+            break
+    n = float(plan.shape.params)
+    tokens = plan.tokens * seconds / plan.seconds
+    n_eff, d_eff = n, tokens
+    if plan.unique_tokens is not None and isinstance(law, ScalingLaw):
+        n_eff, d_eff = repeated_effective(law, n, tokens, plan.unique_tokens)
+    return dataclasses.replace(
+        plan, flops=6 * n * tokens, params=n, tokens=tokens, seconds=seconds,
+        train_flops=plan.train_flops * seconds / plan.seconds,
+        loss=law.loss(n_eff, d_eff) if isinstance(law, ScalingLaw) else None,
+        effective_params=n_eff if plan.unique_tokens is not None else None,
     )  # fmt: skip
 
 
