@@ -272,7 +272,33 @@ def main(argv: list[str] | None = None) -> int:
         got[seed, role] = r
         print(json.dumps(measured.stamp(r)), flush=True)
     report(measured, args, P, seeds, got)
+    plot(got, seeds, args.out / "distill_cpu.png")
+    print(f"wrote {args.out / 'distill_cpu.png'}")
     return 0
+
+
+def plot(got: dict[Any, Any], seeds: list[int], path: Path) -> None:
+    """Bits per byte of each arm per seed, side by side (lower is better)."""
+    from kiln.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    roles = [r for r in ("distilled", "scratch", "scratch+P") if (seeds[0], r) in got]
+    width = 0.8 / len(roles)
+    for j, role in enumerate(roles):
+        xs = [i + j * width for i in range(len(seeds))]
+        values = [got[seed, role]["bpb"] for seed in seeds]
+        ax.bar(xs, values, width, label=role)
+        for x, v in zip(xs, values, strict=True):
+            ax.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + width * (len(roles) - 1) / 2 for i in range(len(seeds))],
+                  [f"seed {s}" for s in seeds])  # fmt: skip
+    low = min(r["bpb"] for r in got.values())
+    ax.set_ylim(low * 0.95, None)
+    ax.set_ylabel("val bits per byte (lower is better)")
+    ax.set_title("Distilled student vs the same student from scratch, equal CPU time")
+    ax.legend()
+    save_png(fig, path)
 
 
 def report(
