@@ -222,8 +222,10 @@ def recall_batch(n: int, gap: int, gen: torch.Generator) -> tuple[torch.Tensor, 
     return seq[:, :-1], targets
 
 
-def recall_section(distances: list[int], budget: float, width: int) -> dict[str, Any]:
-    """Part 2: accuracy by distance for each kind after `budget` CPU seconds of training."""
+def recall_section(
+    distances: list[int], budget: float, width: int, steps_cap: int | None = None
+) -> dict[str, Any]:
+    """Part 2: accuracy by distance per kind after `budget` CPU seconds (or `steps_cap` steps)."""
     import torch.nn.functional as F
 
     vocab = KEYS + VALUES + FILLER
@@ -234,7 +236,7 @@ def recall_section(distances: list[int], budget: float, width: int) -> dict[str,
         model = Transformer(model_config(pattern, width, max(distances) + 64, vocab))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
         start, steps = time.process_time(), 0
-        while time.process_time() - start < budget:
+        while (steps < steps_cap) if steps_cap else (time.process_time() - start < budget):
             gap = int(torch.randint(0, max(distances) + 1, (1,), generator=gen))
             x, y = recall_batch(32, gap, gen)
             logits = model(x)
@@ -252,14 +254,39 @@ def recall_section(distances: list[int], budget: float, width: int) -> dict[str,
                 pred = model(x).argmax(-1)
                 mask = y != -100
                 acc[d] = float((pred[mask] == y[mask]).float().mean())
-        out[kind] = {"steps": steps, "accuracy": acc}
+        out[kind] = {
+            "steps": steps,
+            "cpu_s": round(time.process_time() - start, 1),
+            "accuracy": acc,
+        }
         print(f"  {kind:9s}: {steps} steps; accuracy by distance "
               + ", ".join(f"{d}: {a:.2f}" for d, a in acc.items()), flush=True)  # fmt: skip
     return out
 
 
-def print_tables(cost: dict[str, Any], peer: list[dict[str, Any]], recall: dict[str, Any]) -> None:
-    """The three markdown tables."""
+def plot_cost(cost: dict[str, Any], path: Path) -> None:
+    """Training and decode cost per token against sequence length, one line per kind."""
+    from kiln.plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = (("fwd_bwd_us_per_token", "fwd+bwd µs per token"), ("decode_ms", "decode ms per step"))
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        for kind, v in cost.items():
+            rows = v["rows"]
+            ax.plot([r["T"] for r in rows], [r[field] for r in rows], marker="o", label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Cost against length: attention against the recurrent layers (1 thread)")
+    save_png(fig, path)
+
+
+def print_cost(cost: dict[str, Any]) -> None:
+    """The cost table and the crossovers."""
     lengths = [r["T"] for r in cost["attention"]["rows"]]
     longest = max((len(v["rows"]) for v in cost.values()), default=0)
     lengths = [r["T"] for v in cost.values() if len(v["rows"]) == longest for r in v["rows"]][
@@ -278,12 +305,20 @@ def print_tables(cost: dict[str, Any], peer: list[dict[str, Any]], recall: dict[
         print(f"crossover {kind} vs attention: training "
               f"{'none in range' if tc is None else f'~{tc:,.0f} tokens'}, decode "
               f"{'none in range' if dc is None else f'~{dc:,.0f} tokens'}")  # fmt: skip
+
+
+def print_tables(cost: dict[str, Any], peer: list[dict[str, Any]], recall: dict[str, Any]) -> None:
+    """The three markdown tables."""
+    if cost:
+        print_cost(cost)
     if peer:
         print("\n| peer check | T | kiln s | transformers s | transformers / kiln |")
         print("|---|---:|---:|---:|---:|")
         for r in peer:
             print(f"| {r['what']} | {r['T']} | {r['kiln']:.3f} | {r['transformers']:.3f} | "
                   f"{r['transformers'] / r['kiln']:.2f} |")  # fmt: skip
+    if not recall:
+        return
     distances = list(next(iter(recall.values()))["accuracy"])
     print("\n| kind | steps | " + " | ".join(f"acc @ {d}" for d in distances) + " |")
     print("|---|---:|" + "---:|" * len(distances))
@@ -305,6 +340,9 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=25.0, help="seconds: a kind's last cell")
     ap.add_argument("--distances", default="0,16,64,128")
     ap.add_argument("--recall-budget", type=float, default=45.0, help="CPU seconds per kind")
+    ap.add_argument("--recall-steps", type=int, default=None,
+                    help="train each kind for this many steps instead of --recall-budget")  # fmt: skip
+    ap.add_argument("--parts", default="cost,recall", help="which parts to run")
     ap.add_argument("--tiny", action="store_true", help="two short lengths, seconds of recall")
     add_noisy_flag(ap)
     args = ap.parse_args()
@@ -315,12 +353,20 @@ def main() -> int:
         args.recall_budget = 1.0
     lengths = [int(t) for t in args.lengths.split(",")]
     distances = [int(d) for d in args.distances.split(",")]
-    print("cost against length:", flush=True)
-    cost = cost_section(lengths, args.width, args.repeats, args.cap)
-    print("peer (transformers' torch paths):", flush=True)
-    peer = peer_section([lengths[0], lengths[min(2, len(lengths) - 1)]], args.width)
-    print("recall at a distance:", flush=True)
-    recall = recall_section(distances, args.recall_budget, 64)
+    parts = set(args.parts.split(","))
+    if not parts or not parts <= {"cost", "recall"}:
+        ap.error(f"--parts: a comma list of cost, recall; got {args.parts!r}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    cost, peer, recall = {}, [], {}
+    if "cost" in parts:
+        print("cost against length:", flush=True)
+        cost = cost_section(lengths, args.width, args.repeats, args.cap)
+        print("peer (transformers' torch paths):", flush=True)
+        peer = peer_section([lengths[0], lengths[min(2, len(lengths) - 1)]], args.width)
+        plot_cost(cost, args.out_dir / "arch_length.png")
+    if "recall" in parts:
+        print("recall at a distance:", flush=True)
+        recall = recall_section(distances, args.recall_budget, 64, args.recall_steps)
     print_tables(cost, peer, recall)
     doc = {"width": args.width, "lengths": lengths, "cost": cost, "peer": peer, "recall": recall}
     write_json_atomic(args.out_dir / "arch_length.json", measured.stamp(doc))
