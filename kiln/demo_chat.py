@@ -82,13 +82,15 @@ def run_chat_demo(args: argparse.Namespace, run: Runner = kiln_command) -> int:
         _save_state(out, state)
         print(f"\n[{stage}] {'resuming' if resuming else 'starting'}", flush=True)
         t0 = time.perf_counter()
-        if stage.endswith("-eval"):
-            _evaluate(out, stage.removesuffix("-eval"), args, run)
-        else:
-            STAGE_FUNCTIONS[stage](out, args, run, resuming)
-        record["seconds"] = record["seconds"] + time.perf_counter() - t0
-        record["status"] = "done"
-        _save_state(out, state)
+        try:
+            if stage.endswith("-eval"):
+                _evaluate(out, stage.removesuffix("-eval"), args, run)
+            else:
+                STAGE_FUNCTIONS[stage](out, args, run, resuming)
+            record["status"] = "done"
+        finally:  # a killed or failed stage keeps the minutes it spent, for the time table
+            record["seconds"] = record["seconds"] + time.perf_counter() - t0
+            _save_state(out, state)
     table = write_report(out, state, args.align)
     print("\n" + table)
     print(f"\nthis invocation: {(time.perf_counter() - started) / 60:.1f} min")

@@ -50,6 +50,8 @@ def test_chat_demo_end_to_end_then_resume_after_a_kill(tmp_path, bpb_text, capsy
         run_chat_demo(_args(out, bpb_text), run=killed_in_sft)
     state = json.loads((out / "stages.json").read_text())
     assert state["stages"]["sft"]["status"] == "running"
+    assert state["stages"]["sft"]["seconds"] > 0  # the killed stage's time is kept for the table
+    killed_seconds = state["stages"]["sft"]["seconds"]
     assert state["stages"]["pretrain"]["status"] == "done"
     assert [a[0] for a in ran] == ["tokenizer", "data", "data", "train", "eval", "sft"]
 
@@ -65,6 +67,7 @@ def test_chat_demo_end_to_end_then_resume_after_a_kill(tmp_path, bpb_text, capsy
     state = json.loads((out / "stages.json").read_text())
     assert list(state["stages"]) == list(STAGES)
     assert all(r["status"] == "done" for r in state["stages"].values())
+    assert state["stages"]["sft"]["seconds"] > killed_seconds  # both attempts counted
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert list(summary["success"]) == ["pretrain", "sft", "align"]
     assert summary["chat_model"] == str(out / "align")
