@@ -42,8 +42,9 @@ IMAGE_MARKER = ".kiln-demo-image"
 STATE_FILE = "stages.json"
 TOTAL_MINUTES = 15.0  # --minutes with --image: the whole chain
 # Minutes the untimed work takes at the default sizes (rendering 15,000 scenes, the runs'
-# evaluations and checkpoints, sampling and scoring the held-out captions).
+# evaluations and checkpoints, sampling and scoring the held-out captions); it scales with them.
 UNTIMED_MINUTES = 3.0
+DEFAULT_TRAIN_IMAGES, DEFAULT_EVAL_CAPTIONS = 8000, 200
 TARGET_OBJECT = 0.80  # the issue's bar: object accuracy on unseen compositions
 RESUME_KEYS = (
     "vqvae_minutes", "dit_minutes", "checker_minutes", "vqvae_steps", "dit_steps",
@@ -124,14 +125,22 @@ def check_plan(args: argparse.Namespace) -> None:
     if args.checker and not (Path(args.checker) / "checkpoints").is_dir():
         raise KilnError(f"--checker {args.checker}: not a `kiln image train-checker` run folder")
     timed = {k: v for k, v in stage_budgets(args).items() if v}
-    needed = sum(timed.values()) + UNTIMED_MINUTES
+    untimed = untimed_minutes(args)
+    needed = sum(timed.values()) + untimed
     if timed and needed > args.minutes:
         parts = " + ".join(f"{k} {v:g}" for k, v in timed.items())
         raise KilnError(
-            f"the stage budgets ({parts} min) plus about {UNTIMED_MINUTES:g} min of untimed work "
+            f"the stage budgets ({parts} min) plus about {untimed:.2g} min of untimed work "
             f"(rendering, evaluations, sampling, scoring) need {needed:g} min, more than "
             f"--minutes {args.minutes:g}: lower a --*-minutes flag or raise --minutes"
         )
+
+
+def untimed_minutes(args: argparse.Namespace) -> float:
+    """About how long the work outside the time budgets takes at these sizes."""
+    share = max(args.train_images / DEFAULT_TRAIN_IMAGES,
+                args.eval_captions / DEFAULT_EVAL_CAPTIONS)  # fmt: skip
+    return UNTIMED_MINUTES * share
 
 
 # ------------------------------------------------------------------------------- the stages
