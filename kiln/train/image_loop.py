@@ -3,8 +3,10 @@
 Each subclasses ImageRun: the run-folder lock, the refusal to start over a run without
 --resume, leftovers tidied, atomic checkpoints with `latest` holding weights, optimizer, cursor
 and RNG states, metrics.jsonl, Ctrl-C/SIGTERM saving between steps, and batches that are a pure function of (seed, epoch, position), so a resumed run takes the same
-steps bit for bit. A subclass builds `self.model` and `self.optimizer`, and gives `train_step`,
-`evaluate` and `postfix`.
+steps bit for bit. The run's length is train.max_steps, or the plan train.time_budget re-makes
+after every step from the measured step time (kiln/train/budget.py, as `kiln train` does), so
+the lr schedule ends on time; subclasses read it as `self.max_steps`. A subclass builds
+`self.model` and `self.optimizer`, and gives `train_step`, `evaluate` and `postfix`.
 """
 
 from __future__ import annotations
