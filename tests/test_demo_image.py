@@ -93,7 +93,7 @@ def test_a_reused_checker_is_not_trained_again(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--minutes", "10", "--dit-minutes", "9"], "need 16.5 min, more than --minutes 10"),
+        (["--minutes", "10", "--dit-minutes", "9"], "need 15.5 min, more than --minutes 10"),
         (["--chat"], "--image and --chat are two demos"),
         (["--eval-captions", "900"], "--eval-captions 900 is more than the --heldout-images"),
         (["--dit-minutes", "-1"], "--dit-minutes must be a positive number"),
