@@ -62,12 +62,18 @@ def _step(n: int, text: str) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the five stages and say where everything was written."""
+    if args.image:
+        from kiln.demo_image import run_image_demo
+
+        return run_image_demo(args)
     if args.chat:
         from kiln.demo_chat import run_chat_demo
 
         return run_chat_demo(args)
     if args.resume:
-        raise KilnError("--resume continues a `kiln demo --chat` run; the plain demo starts over")
+        raise KilnError(
+            "--resume continues a `kiln demo --chat` or `--image` run; the plain demo starts over"
+        )
     out = Path(args.out) if args.out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     _check_arguments(args)
     _prepare_out(out, args.force)
@@ -316,7 +322,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "examples:\n  kiln demo --out runs/demo\n  kiln demo --minutes 2   # a quick look\n"
         "  kiln demo --minutes 60  # the 1-hour recipe (a wider model, µP-transferred lr)\n"
         "  kiln demo --steps 20    # exactly 20 steps\n"
-        "  kiln demo --chat        # on to a chat model: SFT, GRPO, success tables (30 min)",
+        "  kiln demo --chat        # on to a chat model: SFT, GRPO, success tables (30 min)\n"
+        "  kiln demo --image       # scenes -> VQ-VAE -> DiT, scored by a checker (15 min)",
         description="Train a tokenizer on the embedded TinyStories corpus, tokenize it into "
         "shards, train a small Llama-style model on the CPU, report its validation loss and "
         "sample three stories; everything goes under one run folder.",
@@ -327,7 +334,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="training time budget in minutes (default 10; evaluation, sampling and checkpoints "
         "not counted); it picks the recipe made for the nearest budget: demo.toml (10) below "
-        "24.5 minutes, demo_60m.toml (60) above; with --chat the whole chain's (default 30)",
+        "24.5 minutes, demo_60m.toml (60) above; with --chat or --image the whole chain's "
+        "(default 30 / 15)",
     )
     parser.add_argument(
         "--steps", type=int, help="train exactly this many steps (no budget) of that recipe"
@@ -341,4 +349,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kiln.demo_chat import add_chat_arguments
 
     add_chat_arguments(parser)
+    from kiln.demo_image import add_image_arguments
+
+    add_image_arguments(parser)
     parser.set_defaults(handler=run_demo)

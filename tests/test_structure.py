@@ -26,8 +26,9 @@ def test_end_of_text_token_is_written_out_in_one_module_only() -> None:
 
 # DESIGN.md's layers, bottom to top. A module imports only its own layer and those below. A
 # package's cli.py counts with its package (no exemptions); only kiln/cli.py (the `kiln` entry
-# point that registers every package's commands), demo.py and demo_chat.py (the whole path in one
-# command; the chat demo runs the `kiln` commands themselves) sit on top of everything.
+# point that registers every package's commands), demo.py, demo_chat.py and demo_image.py (the
+# whole path in one command; the chat and image demos run the `kiln` commands themselves) sit on
+# top of everything.
 LAYERS = [
     {"errors", "io", "folders", "fault_points", "config", "hardware", "devices", "plotting",
      "commands", "__init__"},
@@ -39,7 +40,7 @@ LAYERS = [
     {"serve"},
     {"posttrain"},
     {"eval", "scaling"},
-    {"cli", "demo", "demo_chat"},
+    {"cli", "demo", "demo_chat", "demo_image"},
 ]  # fmt: skip
 
 

@@ -101,7 +101,7 @@ class CheckerRun(ImageRun):
         """One optimizer update on a batch of rendered pictures."""
         cfg = self.cfg
         self.model.train()
-        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, cfg.train.max_steps))
+        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, self.max_steps))
         idx = self.next_indices()
         x = to_unit(torch.from_numpy(np.array(self.images[idx])))
         truth = {k: v[torch.from_numpy(idx)] for k, v in self.truth.items()}

@@ -177,7 +177,7 @@ class DiTRun(ImageRun):
         """One optimizer update on a batch of latents."""
         cfg = self.cfg
         self.model.train()
-        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, cfg.train.max_steps))
+        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, self.max_steps))
         idx = torch.from_numpy(self.next_indices()).to(self.device)
         ids = self._drop_captions(self.ids[idx])
         loss = self.loss(self.latents[idx], ids)

@@ -3,8 +3,10 @@
 Each subclasses ImageRun: the run-folder lock, the refusal to start over a run without
 --resume, leftovers tidied, atomic checkpoints with `latest` holding weights, optimizer, cursor
 and RNG states, metrics.jsonl, Ctrl-C/SIGTERM saving between steps, and batches that are a pure function of (seed, epoch, position), so a resumed run takes the same
-steps bit for bit. A subclass builds `self.model` and `self.optimizer`, and gives `train_step`,
-`evaluate` and `postfix`.
+steps bit for bit. The run's length is train.max_steps, or the plan train.time_budget re-makes
+after every step from the measured step time (kiln/train/budget.py, as `kiln train` does), so
+the lr schedule ends on time; subclasses read it as `self.max_steps`. A subclass builds
+`self.model` and `self.optimizer`, and gives `train_step`, `evaluate` and `postfix`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kiln.folders import lock_folder
 from kiln.image.dataset import ImageDataset
 from kiln.io import atomic_write, write_json_atomic
 from kiln.train import checkpoint as ckpt
+from kiln.train.budget import TimeBudget, intro_line, parse_duration, summary_line
 from kiln.train.metrics import MetricsLog
 
 
@@ -66,11 +69,21 @@ class ImageTrainSection:
     log_every: int = 25
     device: str = "cpu"
     seed: int = 0
+    # Seconds of training ("90s", "10m"): steps are planned from the measured step time so the
+    # lr schedule ends on time (kiln/train/budget.py); max_steps then caps the plan.
+    time_budget: float | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "eval_every", "eval_images", "log_every"):
             require(getattr(self, name) >= 1, f"train.{name} must be >= 1")
         require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)  # a clear error now, not when training starts
+
+    @property
+    def budget_seconds(self) -> float | None:
+        """`time_budget` in seconds, or None when the run is sized by max_steps alone."""
+        return None if self.time_budget is None else parse_duration(self.time_budget)
 
 
 class ImageTrainConfig:
@@ -130,6 +143,10 @@ class ImageRun:
             raise KilnError(f"nothing to resume: {self.checkpoints} has no checkpoint")
         self.notes = ckpt.tidy(self.checkpoints, cfg.checkpoint.keep_last if self.saved else None)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        seconds = cfg.train.budget_seconds
+        self.budget = None if seconds is None else TimeBudget(seconds, cfg.train.max_steps)
+        # The schedule's length: train.max_steps, or the budget's plan (re-made after each step).
+        self.max_steps = cfg.train.max_steps
 
     def state_config(self) -> dict[str, Any]:
         """What state.json's `config` holds (the resolved config; subclasses may add to it)."""
@@ -164,6 +181,11 @@ class ImageRun:
         self.epoch, self.position = int(state["cursor"]["epoch"]), int(state["cursor"]["position"])
         ckpt.restore_rng(state["rng"]["0"])
         self.metrics.truncate_after(self.step)
+        schedule = state.get("scheduler") or {}
+        if self.budget is not None and schedule.get("time_budget_s") == self.budget.seconds:
+            # The same budget goes on: its clock and plan continue from the saved step.
+            self.budget.elapsed = float(schedule.get("train_seconds", 0.0))
+            self.budget.planned = schedule.get("planned_steps")
         self.notes.append(f"resumed from {path} (step {self.step})")
 
     def next_indices(self) -> np.ndarray:
@@ -209,29 +231,53 @@ class ImageRun:
         )  # fmt: skip
         return ckpt.save_checkpoint(
             self.checkpoints, self.model, self.optimizer, state,
-            {"name": self.cfg.schedule.name}, self.cfg.checkpoint.keep_last,
+            self._schedule_record(), self.cfg.checkpoint.keep_last,
         )  # fmt: skip
 
+    def _schedule_record(self) -> dict[str, Any]:
+        """The schedule as it stands: a budgeted run's clock and plan go on from here on resume."""
+        record: dict[str, Any] = {"name": self.cfg.schedule.name, "max_steps": self.max_steps}
+        if self.budget is not None:
+            record.update(time_budget_s=self.budget.seconds, train_seconds=self.budget.elapsed,
+                          planned_steps=self.budget.planned)  # fmt: skip
+        return record
+
     def run(self, progress: bool = True, time_budget: float | None = None) -> dict[str, Any]:
-        """Train to max_steps (or `time_budget` seconds), saving, logging, evaluating."""
+        """Train to the planned steps (max_steps or train.time_budget), saving, logging, evaluating.
+
+        `time_budget` (seconds, from code) sets a budget as train.time_budget does.
+        """
         cfg = self.cfg.train
         from tqdm import tqdm
 
+        if time_budget is not None:
+            self.budget = TimeBudget(time_budget, cfg.max_steps)
+        if self.budget is not None:
+            self.max_steps = self.budget.plan(self.step)
+            print(intro_line(self.budget, cfg.max_steps, self.budget.elapsed), flush=True)
         interrupted: list[int] = []
         # Ctrl-C and SIGTERM end the loop between steps (never inside an update), then it saves.
         previous = {
             sig: signal.signal(sig, lambda s, f: interrupted.append(s))
             for sig in (signal.SIGINT, signal.SIGTERM)
         }
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not progress, unit="step")
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not progress, unit="step")
         start, start_step = time.perf_counter(), self.step
         try:
-            while self.step < cfg.max_steps and not interrupted:
+            while self.step < self.max_steps and not interrupted:
+                t0 = time.perf_counter()
                 scalars = self.train_step()
+                if self.budget is not None:
+                    self.budget.record(time.perf_counter() - t0)
+                    if self.step < self.max_steps:
+                        self.max_steps = self.budget.plan(self.step)
+                        bar.total = self.max_steps  # the bar's ETA follows the plan
+                    note = self.budget.replan_note()
+                    if note:
+                        bar.write(note)
                 bar.update()
                 elapsed = time.perf_counter() - start
-                out_of_time = time_budget is not None and elapsed >= time_budget
-                last = self.step == cfg.max_steps or out_of_time
+                last = self.step >= self.max_steps
                 if self.step % cfg.log_every == 0 or last:
                     rate = (self.step - start_step) * cfg.batch_size / elapsed
                     record = {"step": self.step, "images": self.images_seen, **scalars,
@@ -240,9 +286,7 @@ class ImageRun:
                         record.update(self.evaluate())
                     self.metrics.write(record)
                     bar.set_postfix(self.postfix(scalars))
-                if out_of_time:
-                    break
-                if self.step % self.cfg.checkpoint.every == 0 and self.step < cfg.max_steps:
+                if self.step % self.cfg.checkpoint.every == 0 and not last:
                     self.save()
         finally:
             bar.close()
@@ -253,6 +297,9 @@ class ImageRun:
             raise KilnError(
                 f"stopped at step {self.step}; saved {self.checkpoints} (continue with --resume)"
             )
+        if self.budget is not None:
+            other = time.perf_counter() - start - sum(self.budget.durations)
+            print(summary_line(self.budget, self.budget.elapsed, self.step, other), flush=True)
         final = {"step": self.step, **self.evaluate()}
         write_json_atomic(self.run_dir / "eval.json", final)
         self._lock.release()

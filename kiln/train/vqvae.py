@@ -88,7 +88,7 @@ class VQVAERun(ImageRun):
         """One optimizer update; returns the step's scalars."""
         cfg = self.cfg
         self.model.train()
-        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, cfg.train.max_steps))
+        lr = set_lr(self.optimizer, lr_multiplier(cfg.schedule, self.step, self.max_steps))
         idx = self.next_indices()
         x = to_unit(torch.from_numpy(np.asarray(self.train_images[idx]))).to(self.device)
         _, stats = self.model(x)

@@ -129,3 +129,26 @@ def test_a_signal_stops_between_steps_and_saves(scenes: Path, tmp_path: Path, mo
         run.run(progress=False)
     assert (tmp_path / "r/checkpoints/latest").read_text().strip() == "step_2"
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_a_time_budget_plans_the_steps_and_a_finished_budget_resumes_to_no_step(
+    scenes: Path, tmp_path: Path, capsys
+) -> None:
+    cap = "train.max_steps=400"  # far more than a 1-second budget buys on any machine
+    run = VQVAERun(_cfg(scenes, tmp_path / "b", cap, "train.time_budget=1s", "checkpoint.every=50"))
+    final = run.run(progress=False)
+    assert 3 <= final["step"] < 400  # the budget ended it, not the cap
+    assert run.max_steps == final["step"]  # the schedule's length is the plan it ended on
+    assert "time budget: " in capsys.readouterr().out
+    from kiln import checkpoint_format as fmt
+
+    saved = fmt.read_state(fmt.latest_checkpoint(tmp_path / "b" / "checkpoints"))["scheduler"]
+    assert saved["time_budget_s"] == 1.0 and saved["planned_steps"] == final["step"]
+    assert saved["train_seconds"] > 0
+    again = VQVAERun(_cfg(scenes, tmp_path / "b", cap, "train.time_budget=1s"), resume=True)
+    assert again.run(progress=False)["step"] == final["step"]  # the budget's clock went on
+
+
+def test_a_bad_time_budget_is_one_config_error(scenes: Path, tmp_path: Path) -> None:
+    with pytest.raises(KilnError, match=r"train.time_budget = 'soon'"):
+        _cfg(scenes, tmp_path / "c", "train.time_budget=soon")
