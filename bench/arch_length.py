@@ -223,7 +223,11 @@ def recall_batch(n: int, gap: int, gen: torch.Generator) -> tuple[torch.Tensor, 
 
 
 def recall_section(
-    distances: list[int], budget: float, width: int, steps_cap: int | None = None
+    distances: list[int],
+    budget: float,
+    width: int,
+    steps_cap: int | None = None,
+    kinds: list[str] | None = None,
 ) -> dict[str, Any]:
     """Part 2: accuracy by distance per kind after `budget` CPU seconds (or `steps_cap` steps)."""
     import torch.nn.functional as F
@@ -231,6 +235,8 @@ def recall_section(
     vocab = KEYS + VALUES + FILLER
     out = {}
     for kind, pattern in KINDS.items():
+        if kinds and kind not in kinds:
+            continue
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
         model = Transformer(model_config(pattern, width, max(distances) + 64, vocab))
@@ -343,6 +349,7 @@ def main() -> int:
     ap.add_argument("--recall-steps", type=int, default=None,
                     help="train each kind for this many steps instead of --recall-budget")  # fmt: skip
     ap.add_argument("--parts", default="cost,recall", help="which parts to run")
+    ap.add_argument("--kinds", default="", help="recall: only these kinds (comma list)")
     ap.add_argument("--tiny", action="store_true", help="two short lengths, seconds of recall")
     add_noisy_flag(ap)
     args = ap.parse_args()
@@ -366,7 +373,10 @@ def main() -> int:
         plot_cost(cost, args.out_dir / "arch_length.png")
     if "recall" in parts:
         print("recall at a distance:", flush=True)
-        recall = recall_section(distances, args.recall_budget, 64, args.recall_steps)
+        kinds = [k for k in args.kinds.split(",") if k]
+        if unknown := sorted(set(kinds) - set(KINDS)):
+            ap.error(f"--kinds: unknown {unknown}; the kinds are {', '.join(KINDS)}")
+        recall = recall_section(distances, args.recall_budget, 64, args.recall_steps, kinds)
     print_tables(cost, peer, recall)
     doc = {"width": args.width, "lengths": lengths, "cost": cost, "peer": peer, "recall": recall}
     write_json_atomic(args.out_dir / "arch_length.json", measured.stamp(doc))
