@@ -152,6 +152,7 @@ SCRIPTS = {
     "distill": ["T/o"],
     "distill_cpu": ["T/o", "--teacher", "T/t"],
     "distill_draft": ["T/o", "--teacher", "T/t"],
+    "engine_profile": [],
     "fp8_train": ["T/o"],
     "gguf_parity": ["--model", "T/m"],
     "image": ["--work", "T/w", "--out", "T/i.json", "--grid", "T/g.png"],
