@@ -288,36 +288,12 @@ STAGE_FUNCTIONS: dict[str, Callable[[Path, argparse.Namespace, Runner, bool], No
 # ------------------------------------------------------------------------------ state, report
 def _open_state(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The stages.json of a run to resume, or a fresh run folder (replacing one with --force)."""
-    from kiln.folders import check_can_replace_dir, remove_dir
+    from kiln.folders import open_stage_state
 
     settings = {key: getattr(args, key) for key in RESUME_KEYS}
-    state_path = out / STATE_FILE
-    if args.resume:
-        if not state_path.is_file() or not (out / IMAGE_MARKER).is_file():
-            raise KilnError(f"--resume: {out} is not a `kiln demo --image` run (no {STATE_FILE})")
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-        for key in RESUME_KEYS:
-            if state["settings"].get(key) != settings[key]:
-                flag = "--" + key.replace("_", "-")
-                raise KilnError(
-                    f"--resume: {out} was started with {flag} {state['settings'].get(key)!r}, "
-                    f"not {settings[key]!r}; resume with the same flags or start over with --force"
-                )
-        return state
-
-    def is_image_demo(path: Path) -> bool:
-        return (path / IMAGE_MARKER).is_file()
-
-    if check_can_replace_dir(out, args.force, is_image_demo, "a kiln demo --image run folder"):
-        remove_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / IMAGE_MARKER).write_text(
-        "made by `kiln demo --image`; `kiln demo --image --force` may replace this folder\n",
-        encoding="utf-8",
+    return open_stage_state(
+        out, settings, args.resume, args.force, IMAGE_MARKER, "kiln demo --image"
     )
-    state = {"settings": settings, "stages": {}}
-    _save_state(out, state)
-    return state
 
 
 def _save_state(out: Path, state: dict[str, Any]) -> None:

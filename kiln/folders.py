@@ -8,11 +8,13 @@ abandoned one (that process is gone) from one a live process is still writing.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import KilnError
 from kiln.fault_points import kill_point
@@ -172,3 +174,43 @@ def lock_folder(folder: str | os.PathLike[str], user: str, kind: str = "folder")
     os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
     _held_locks[key] = [fd, 1]
     return FolderLock(key)
+
+
+STAGE_STATE = "stages.json"
+
+
+def open_stage_state(
+    out: Path, settings: dict[str, Any], resume: bool, force: bool, marker: str, command: str
+) -> dict[str, Any]:
+    """A staged run's stages.json: the one to resume (same settings), or a fresh run folder.
+
+    `marker` is the file that says `command` made the folder, so --force replaces only such
+    folders; a resume with other `settings` than the run started with is refused, naming the
+    flag.
+    """
+    from kiln.io import write_json_atomic
+
+    state_path = out / STAGE_STATE
+    if resume:
+        if not state_path.is_file() or not (out / marker).is_file():
+            raise KilnError(f"--resume: {out} is not a `{command}` run (no {STAGE_STATE})")
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        for key, value in settings.items():
+            if state["settings"].get(key) != value:
+                flag = "--" + key.replace("_", "-")
+                raise KilnError(
+                    f"--resume: {out} was started with {flag} {state['settings'].get(key)!r}, "
+                    f"not {value!r}; resume with the same flags or start over with --force"
+                )
+        return state
+    if check_can_replace_dir(
+        out, force, lambda p: (p / marker).is_file(), f"a {command} run folder"
+    ):
+        remove_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / marker).write_text(
+        f"made by `{command}`; `{command} --force` may replace this folder\n", encoding="utf-8"
+    )
+    state: dict[str, Any] = {"settings": settings, "stages": {}}
+    write_json_atomic(state_path, state)
+    return state

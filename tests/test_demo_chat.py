@@ -100,8 +100,9 @@ def test_resume_needs_the_same_flags(tmp_path, bpb_text) -> None:
     out = tmp_path / "chat"
     out.mkdir()
     settings = vars(_args(out, bpb_text))
-    from kiln.demo_chat import RESUME_KEYS
+    from kiln.demo_chat import CHAT_MARKER, RESUME_KEYS
 
+    (out / CHAT_MARKER).write_text("made by `kiln demo --chat`\n")  # as a real run folder has
     (out / "stages.json").write_text(
         json.dumps({"settings": {k: settings[k] for k in RESUME_KEYS}, "stages": {}})
     )
