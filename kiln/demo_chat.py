@@ -72,25 +72,15 @@ def run_chat_demo(args: argparse.Namespace, run: Runner = kiln_command) -> int:
     check_plan(args)
     state = _open_state(out, args)
     started = time.perf_counter()
-    for stage in STAGES:
-        record = state["stages"].setdefault(stage, {"status": "pending", "seconds": 0.0})
-        if record["status"] == "done":
-            print(f"\n[{stage}] done earlier ({record['seconds'] / 60:.1f} min): skipped")
-            continue
-        resuming = record["status"] == "running"
-        record["status"] = "running"
-        _save_state(out, state)
-        print(f"\n[{stage}] {'resuming' if resuming else 'starting'}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            if stage.endswith("-eval"):
-                _evaluate(out, stage.removesuffix("-eval"), args, run)
-            else:
-                STAGE_FUNCTIONS[stage](out, args, run, resuming)
-            record["status"] = "done"
-        finally:  # a killed or failed stage keeps the minutes it spent, for the time table
-            record["seconds"] = record["seconds"] + time.perf_counter() - t0
-            _save_state(out, state)
+    from kiln.folders import run_stages
+
+    def do(stage: str, resuming: bool) -> None:
+        if stage.endswith("-eval"):
+            _evaluate(out, stage.removesuffix("-eval"), args, run)
+        else:
+            STAGE_FUNCTIONS[stage](out, args, run, resuming)
+
+    run_stages(out, state, STAGES, do)
     table = write_report(out, state, args.align)
     print("\n" + table)
     print(f"\nthis invocation: {(time.perf_counter() - started) / 60:.1f} min")
@@ -269,12 +259,6 @@ def _open_state(out: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     settings = {key: getattr(args, key) for key in RESUME_KEYS}
     return open_stage_state(out, settings, args.resume, args.force, CHAT_MARKER, "kiln demo --chat")
-
-
-def _save_state(out: Path, state: dict[str, Any]) -> None:
-    from kiln.io import write_json_atomic
-
-    write_json_atomic(out / STATE_FILE, state)
 
 
 def success_rows(out: Path, align: str) -> list[tuple[str, dict[str, Any]]]:

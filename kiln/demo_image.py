@@ -67,20 +67,11 @@ def run_image_demo(args: argparse.Namespace, run: Runner = kiln_command) -> int:
     check_plan(args)
     state = _open_state(out, args)
     started = time.perf_counter()
-    for stage in STAGES:
-        record = state["stages"].setdefault(stage, {"status": "pending", "seconds": 0.0})
-        if record["status"] == "done":
-            print(f"\n[{stage}] done earlier ({record['seconds'] / 60:.1f} min): skipped")
-            continue
-        resuming = record["status"] == "running"
-        record["status"] = "running"
-        _save_state(out, state)
-        print(f"\n[{stage}] {'resuming' if resuming else 'starting'}", flush=True)
-        t0 = time.perf_counter()
-        STAGE_FUNCTIONS[stage](out, args, run, resuming)
-        record["seconds"] = record["seconds"] + time.perf_counter() - t0
-        record["status"] = "done"
-        _save_state(out, state)
+    from kiln.folders import run_stages
+
+    run_stages(
+        out, state, STAGES, lambda stage, resuming: STAGE_FUNCTIONS[stage](out, args, run, resuming)
+    )
     print("\n" + write_report(out, state))
     print(f"\nthis invocation: {(time.perf_counter() - started) / 60:.1f} min")
     print(f"report            {out / 'report' / 'README.md'}")
@@ -294,12 +285,6 @@ def _open_state(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     return open_stage_state(
         out, settings, args.resume, args.force, IMAGE_MARKER, "kiln demo --image"
     )
-
-
-def _save_state(out: Path, state: dict[str, Any]) -> None:
-    from kiln.io import write_json_atomic
-
-    write_json_atomic(out / STATE_FILE, state)
 
 
 def _steps(run_dir: Path) -> str:

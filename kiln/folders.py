@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +214,32 @@ def open_stage_state(
     state: dict[str, Any] = {"settings": settings, "stages": {}}
     write_json_atomic(state_path, state)
     return state
+
+
+def run_stages(
+    out: Path, state: dict[str, Any], stages: Sequence[str], do: Callable[[str, bool], None]
+) -> None:
+    """Run each stage not yet done (`do(stage, resuming)`), saving stages.json around it.
+
+    A killed or failed stage keeps the seconds it spent, so the time table counts every attempt.
+    """
+    import time
+
+    from kiln.io import write_json_atomic
+
+    for stage in stages:
+        record = state["stages"].setdefault(stage, {"status": "pending", "seconds": 0.0})
+        if record["status"] == "done":
+            print(f"\n[{stage}] done earlier ({record['seconds'] / 60:.1f} min): skipped")
+            continue
+        resuming = record["status"] == "running"
+        record["status"] = "running"
+        write_json_atomic(out / STAGE_STATE, state)
+        print(f"\n[{stage}] {'resuming' if resuming else 'starting'}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            do(stage, resuming)
+            record["status"] = "done"
+        finally:
+            record["seconds"] = record["seconds"] + time.perf_counter() - t0
+            write_json_atomic(out / STAGE_STATE, state)
