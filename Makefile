@@ -1,5 +1,6 @@
 # The two commands a newcomer runs: `make demo` and `make test`. Each creates .venv and installs
-# what it needs (idempotent: re-runs only when pyproject.toml, setup.py or the C++ sources change).
+# what it needs (idempotent: re-runs only when this file, pyproject.toml, setup.py or the C++
+# sources change).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,11 +9,11 @@ NATIVE_SRC := $(wildcard kiln/tokenizer/csrc/*.cpp kiln/tokenizer/csrc/*.h)
 
 .PHONY: demo demo-image storyteller venv test test-kernels test-all llamacpp test-llamacpp mutants lint bench-tokenizer bench-model bench-attention bench-data clean
 
-$(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
+$(STAMP): Makefile pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve,gguf]'
+	$(PY) -m pip install -q -e '.[dev,kernels,data,ray,eval,scaling,serve,gguf,image]'
 	touch $(STAMP)
 
 venv: $(STAMP)

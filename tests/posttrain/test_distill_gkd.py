@@ -72,7 +72,9 @@ def test_an_on_policy_batch_is_the_kl_on_the_students_samples_by_hand() -> None:
         for b in range(2)
         for t in (2, 3, 4)
     ]
-    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+    # abs: the step's fp32 logits come from another batch shape than these (another GEMM
+    # kernel, ~1e-7 apart per log-prob), and the KL is a small difference of such terms
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-5, abs=5e-7)
     assert math.isfinite(loss.item()) and loss.requires_grad
 
 
