@@ -8,10 +8,16 @@ matmul is recomputed (unlike checkpointing the head). The formulas, per valid ta
     s = c·tanh(z / c) if soft-capped else z,     z = h·Wᵀ (real vocab columns only)
     loss = mean[ logsumexp(s) - s_y + w_z · logsumexp(s)² ]
     ∂loss/∂s = softmax(s) · (1 + 2·w_z·logsumexp(s)) - onehot(y),    ∂s/∂z = 1 - (s/c)²
+
+One driver, `_ChunkedLoss`, owns the chunk loop (head matmul, masking, the mean, the gradient
+matmuls); a loss is a per-chunk function from the chunk's logits to its per-row losses and
+∂loss/∂z: `_ce_chunk` for `lm_loss`, `_topk_chunk` for `topk_lm_loss`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +26,10 @@ from torch import Tensor
 # Logit elements per chunk (128 MB in fp32): rows enough for efficient matmuls (~670 at a 50k
 # vocabulary) while the transient memory stays fixed whatever the batch size.
 CHUNK_ELEMENTS = 2**25
+
+# (z (n, V) fp32 logits, the chunk's rows, targets y (n, 1) clamped to >= 0, scale (n,) = valid
+# / n_valid or None without gradients) -> (per-row loss (n,), ∂loss/∂z (n, V) fp32 or None).
+_ChunkLoss = Callable[[Tensor, slice, Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
 
 
 def lm_loss(
@@ -36,7 +46,23 @@ def lm_loss(
     Targets < 0 are ignored (nanoGPT's -1 and HF's -100 both work); columns at and beyond
     vocab_size (vocabulary padding) never take part. Returns a scalar fp32 tensor.
     """
-    h2 = h.reshape(-1, h.size(-1))  # (N, C)
+    chunk = partial(_ce_chunk, softcap=softcap, z_weight=z_loss)
+    return _chunked_loss(h, weight, targets, vocab_size, chunk, chunk_tokens)
+
+
+def _chunked_loss(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_size: int,
+    chunk_loss: _ChunkLoss,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Mean over targets >= 0 of chunk_loss's per-row losses, from h (..., C) and weight (V_pad, C).
+
+    The logits are made chunk by chunk in the autocast dtype (or h's) and freed after each;
+    chunk_tokens defaults to CHUNK_ELEMENTS // vocab_size rows (at least 64).
+    """
     chunk_tokens = chunk_tokens or max(64, CHUNK_ELEMENTS // vocab_size)
     dtype = (
         torch.get_autocast_dtype(h.device.type)
@@ -44,12 +70,13 @@ def lm_loss(
         else h.dtype
     )
     need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _ChunkedLMLoss.apply(
-        h2, weight, targets.reshape(-1), vocab_size, softcap, z_loss, chunk_tokens, dtype, need_grad
+    h2 = h.reshape(-1, h.size(-1))  # (N, C)
+    return _ChunkedLoss.apply(
+        h2, weight, targets.reshape(-1), vocab_size, chunk_loss, chunk_tokens, dtype, need_grad
     )
 
 
-class _ChunkedLMLoss(torch.autograd.Function):
+class _ChunkedLoss(torch.autograd.Function):
     """Loss and its gradients in one chunked pass; backward only scales the stored gradients."""
 
     @staticmethod
@@ -59,8 +86,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         weight: Tensor,
         targets: Tensor,
         vocab_size: int,
-        softcap: float | None,
-        z_weight: float,
+        chunk_loss: _ChunkLoss,
         chunk_tokens: int,
         dtype: torch.dtype,
         need_grad: bool,
@@ -77,29 +103,21 @@ class _ChunkedLMLoss(torch.autograd.Function):
             for start in range(0, h.size(0), chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 z = (hc[rows] @ w.T).float()  # (n, V)
-                s = softcap * torch.tanh(z / softcap) if softcap else z
-                logp = torch.log_softmax(s, dim=-1)  # (n, V), one fused pass
-                lse = s[:, 0] - logp[:, 0]  # (n,) logsumexp, read off any column
                 y = targets[rows].clamp(min=0)[:, None]  # (n, 1); invalid rows masked below
                 row_valid = valid[rows].float()  # (n,)
-                row_loss = -logp.gather(1, y).squeeze(1) + z_weight * lse.square()
+                scale = row_valid / n_valid if need_grad else None  # (n,): mean over valid
+                row_loss, g = chunk_loss(z, rows, y, scale)
+                del z  # the chunk's logits; only their gradient g outlives chunk_loss
                 total += (row_loss * row_valid).sum()
-                if not need_grad:
-                    del z, s, logp  # free this chunk's logits before the next is computed
+                if g is None:
                     continue
-                scale = row_valid / n_valid  # (n,): mean over valid targets
-                g = logp.exp_()  # (n, V) softmax, in place of logp
-                g.mul_((scale * (1 + 2 * z_weight * lse))[:, None])
-                g.scatter_add_(1, y, -scale[:, None])  # minus the one-hot target
-                if softcap:
-                    g.mul_(1 - (s / softcap).square())
                 g = g.to(dtype)
                 grad_h[rows] = (g @ w).to(h.dtype)  # (n, C)
                 if dtype == torch.float32:  # accumulate in place, no (V, C) temporary
                     grad_w[:vocab_size].addmm_(g.T, hc[rows])  # (V, C)
                 else:
                     grad_w[:vocab_size] += g.T @ hc[rows]  # low-precision product, fp32 sum
-                del z, s, logp, g  # free this chunk's logits before the next is computed
+                del g  # free this chunk's gradient before the next chunk's logits
             if need_grad:
                 ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
             return total / n_valid
@@ -108,7 +126,31 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         """Chain rule: the stored gradients times the incoming scalar."""
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None
+
+
+def _ce_chunk(
+    z: Tensor,
+    rows: slice,
+    y: Tensor,
+    scale: Tensor | None,
+    *,
+    softcap: float | None,
+    z_weight: float,
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk of `lm_loss`: per-row CE (+ z-loss) and, given scale, ∂loss/∂z (module doc)."""
+    s = softcap * torch.tanh(z / softcap) if softcap else z
+    logp = torch.log_softmax(s, dim=-1)  # (n, V), one fused pass
+    lse = s[:, 0] - logp[:, 0]  # (n,) logsumexp, read off any column
+    row_loss = -logp.gather(1, y).squeeze(1) + z_weight * lse.square()
+    if scale is None:
+        return row_loss, None
+    g = logp.exp_()  # (n, V) softmax, in place of logp
+    g.mul_((scale * (1 + 2 * z_weight * lse))[:, None])
+    g.scatter_add_(1, y, -scale[:, None])  # minus the one-hot target
+    if softcap:
+        g.mul_(1 - (s / softcap).square())
+    return row_loss, g
 
 
 def logits_loss(logits: Tensor, targets: Tensor, z_loss: float = 0.0) -> Tensor:
@@ -218,92 +260,48 @@ def topk_lm_loss(
         ∂(τ² KL)/∂z_j = τ · (q_j − t_j),   t_j = p_j on the K ids, p_tail · q_j / q_tail elsewhere
     """
     ids, logp, tail = topk
-    h2 = h.reshape(-1, h.size(-1))  # (N, C)
     K = ids.size(-1)
-    dtype = (
-        torch.get_autocast_dtype(h.device.type)
-        if torch.is_autocast_enabled(h.device.type)
-        else h.dtype
-    )
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    weights = (temperature, kl_weight, ce_weight)
-    chunk = max(64, CHUNK_ELEMENTS // vocab_size)
     teacher = (ids.reshape(-1, K), logp.reshape(-1, K).float(), tail.reshape(-1).float())
-    return _ChunkedTopkLoss.apply(
-        h2, weight, targets.reshape(-1), vocab_size, teacher, weights, chunk, dtype, need_grad
+    chunk = partial(
+        _topk_chunk,
+        teacher=teacher,
+        weights=(temperature, kl_weight, ce_weight),
+        has_tail=ids.size(-1) < vocab_size,
     )
+    return _chunked_loss(h, weight, targets, vocab_size, chunk)
 
 
-class _ChunkedTopkLoss(torch.autograd.Function):
-    """The K + 1 bucket KL (+ CE) and its gradients in one chunked pass, like _ChunkedLMLoss."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h: Tensor,
-        weight: Tensor,
-        targets: Tensor,
-        vocab_size: int,
-        teacher: tuple[Tensor, Tensor, Tensor],
-        weights: tuple[float, float, float],
-        chunk_tokens: int,
-        dtype: torch.dtype,
-        need_grad: bool,
-    ) -> Tensor:
-        """Scalar loss; stashes dloss/dh (N, C) and dloss/dW (V_pad, C) for backward."""
-        tau, kl_w, ce_w = weights
-        ids, logp, tail = teacher
-        with torch.autocast(h.device.type, enabled=False):
-            w = weight.to(dtype)[:vocab_size]  # (V, C)
-            hc = h.to(dtype)
-            valid = targets >= 0
-            n_valid = valid.sum().clamp(min=1).float()
-            total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need_grad else None
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
-            has_tail = ids.size(-1) < vocab_size
-            for start in range(0, h.size(0), chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
-                row_valid = valid[rows].float()  # (n,)
-                z = (hc[rows] @ w.T).float()  # (n, V)
-                zt = torch.log_softmax(z / tau, dim=-1)  # (n, V) log q
-                k_ids, p_log = ids[rows], logp[rows]  # (n, K)
-                q_log = zt.gather(1, k_ids)  # (n, K)
-                kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # (n,)
-                q_tail = (-torch.expm1(q_log.logsumexp(-1))).clamp_min(1e-30)  # (n,)
-                p_tail = tail[rows].exp() if has_tail else torch.zeros_like(q_tail)
-                kl = kl + torch.where(
-                    p_tail > 0, p_tail * (tail[rows].clamp_min(-1e4) - q_tail.log()), 0.0
-                )
-                row_loss = kl_w * tau**2 * kl
-                y = targets[rows].clamp(min=0)[:, None]  # (n, 1)
-                if ce_w:
-                    lp1 = zt if tau == 1 else torch.log_softmax(z, dim=-1)
-                    row_loss = row_loss - ce_w * lp1.gather(1, y).squeeze(1)
-                total += (row_loss * row_valid).sum()
-                if not need_grad:
-                    continue
-                scale = row_valid / n_valid  # (n,)
-                q = zt.exp_()  # (n, V), in place of log q
-                g = q * (-kl_w * tau * scale * p_tail / q_tail)[:, None]  # the tail's target
-                g.scatter_(1, k_ids, (-kl_w * tau * scale)[:, None] * p_log.exp())
-                g.add_(q * (kl_w * tau * scale)[:, None])
-                if ce_w:
-                    g.add_((q if tau == 1 else lp1.exp()) * (ce_w * scale)[:, None])
-                    g.scatter_add_(1, y, -(ce_w * scale)[:, None])
-                g = g.to(dtype)
-                grad_h[rows] = (g @ w).to(h.dtype)
-                if dtype == torch.float32:
-                    grad_w[:vocab_size].addmm_(g.T, hc[rows])
-                else:
-                    grad_w[:vocab_size] += g.T @ hc[rows]
-                del z, zt, q, g
-            if need_grad:
-                ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-            return total / n_valid
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        """Chain rule: the stored gradients times the incoming scalar."""
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None, None, None
+def _topk_chunk(
+    z: Tensor,
+    rows: slice,
+    y: Tensor,
+    scale: Tensor | None,
+    *,
+    teacher: tuple[Tensor, Tensor, Tensor],
+    weights: tuple[float, float, float],
+    has_tail: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk of `topk_lm_loss`: per-row τ²·KL (+ CE) and, given scale, ∂loss/∂z."""
+    tau, kl_w, ce_w = weights
+    ids, logp, tail = teacher
+    zt = torch.log_softmax(z / tau, dim=-1)  # (n, V) log q
+    k_ids, p_log = ids[rows], logp[rows]  # (n, K)
+    q_log = zt.gather(1, k_ids)  # (n, K)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # (n,)
+    q_tail = (-torch.expm1(q_log.logsumexp(-1))).clamp_min(1e-30)  # (n,)
+    p_tail = tail[rows].exp() if has_tail else torch.zeros_like(q_tail)
+    kl = kl + torch.where(p_tail > 0, p_tail * (tail[rows].clamp_min(-1e4) - q_tail.log()), 0.0)
+    row_loss = kl_w * tau**2 * kl
+    if ce_w:
+        lp1 = zt if tau == 1 else torch.log_softmax(z, dim=-1)
+        row_loss = row_loss - ce_w * lp1.gather(1, y).squeeze(1)
+    if scale is None:
+        return row_loss, None
+    q = zt.exp_()  # (n, V), in place of log q
+    g = q * (-kl_w * tau * scale * p_tail / q_tail)[:, None]  # the tail's target
+    g.scatter_(1, k_ids, (-kl_w * tau * scale)[:, None] * p_log.exp())
+    g.add_(q * (kl_w * tau * scale)[:, None])
+    if ce_w:
+        g.add_((q if tau == 1 else lp1.exp()) * (ce_w * scale)[:, None])
+        g.scatter_add_(1, y, -(ce_w * scale)[:, None])
+    return row_loss, g

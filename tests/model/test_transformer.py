@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import kiln.model.loss
 from kiln.errors import KilnError
 from kiln.model import ModelConfig, Transformer, attention
 from kiln.model.attention_maps import attention_maps
 from kiln.model.generate import generate
-from kiln.model.loss import lm_loss, logits_loss
+from kiln.model.loss import lm_loss, logits_loss, teacher_topk, topk_lm_loss
 from tests.model.helpers import build, gpt2_small, llama_small
 
 FAMILIES = {
@@ -214,6 +215,22 @@ def test_loss_memory_does_not_scale_with_tokens_times_vocab(chunk: int, fits: bo
         lm_loss(h, w, targets, V, softcap=10.0, z_loss=1e-4, chunk_tokens=chunk).backward()
     # With 256-token chunks no tensor holds more than one chunk's logits; the unchunked
     # control shows the probe does see a full (N, V) tensor when there is one.
+    assert probe.largest <= chunk * V
+    assert (probe.largest < N * V) == fits
+
+
+@pytest.mark.parametrize(("chunk", "fits"), [(256, True), (2048, False)])
+def test_topk_loss_memory_does_not_scale_with_tokens_times_vocab(
+    chunk: int, fits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    N, C, V = 2048, 16, 1000
+    h = torch.randn(N, C, requires_grad=True)
+    w = torch.randn(V, C, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    topk = teacher_topk(torch.randn(N, V), 8, 2.0)  # the teacher's (N, V), outside the probe
+    monkeypatch.setattr(kiln.model.loss, "CHUNK_ELEMENTS", chunk * V)
+    with _LargestTensor() as probe:
+        topk_lm_loss(h, w, V, topk, targets, 2.0, 0.7, 0.3).backward()
     assert probe.largest <= chunk * V
     assert (probe.largest < N * V) == fits
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import kiln.model.loss
 from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.model.loss import distill_loss, teacher_topk, topk_distill_loss, topk_lm_loss
@@ -90,6 +91,27 @@ def test_the_chunked_topk_loss_from_hidden_states_equals_the_plain_one_and_its_g
     assert torch.allclose(grads[0], h.grad, atol=1e-6) and torch.allclose(
         grads[1], w.grad, atol=1e-6
     )
+
+
+def test_the_topk_loss_over_several_chunks_equals_it_in_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    V, C = 30, 8
+    h = torch.randn(2, 100, C, requires_grad=True)
+    w = torch.randn(32, C, requires_grad=True)
+    y = torch.randint(0, V, (2, 100))
+    y[:, ::9] = -1
+    topk = teacher_topk(torch.randn(2, 100, V) * 2, 5, 2.0)
+    results = []
+    for rows in (200, 64):  # one chunk, then 64 + 64 + 64 + 8 rows
+        monkeypatch.setattr(kiln.model.loss, "CHUNK_ELEMENTS", rows * V)
+        loss = topk_lm_loss(h, w, V, topk, y, 2.0, 0.7, 0.3)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+        h.grad = w.grad = None
+    for one, several in zip(*results, strict=True):
+        assert torch.allclose(one, several, rtol=1e-6, atol=1e-7)
 
 
 def test_training_from_shards_equals_the_online_teachers_topk_loss_with_the_ce_mixed_in(
