@@ -14,8 +14,9 @@ step's sequences between them, so the per-rank micro-batch is the recipe's divid
 when the recipe's does not fit (demo.toml's 8 sequences of 256 → 4 per rank; see `rank_micro_batch`).
 Tokens/s is measured over the steady-state steps (the first --warmup steps are left out: allocator
 and thread-pool start-up, gloo's first buckets). The table gives both runs' tokens/s, final
-training loss and holdout loss (nats per token on the held-out stories, and their bits per byte),
-and the ratio processes / threads; the two losses must agree within LOSS_TOLERANCE.
+training loss, mean training loss of the last 10 steps and holdout loss (nats per token on the
+held-out stories, and their bits per byte),
+and the ratio processes / threads; the two runs' losses must agree within LOSS_TOLERANCE.
 
     .venv/bin/python bench/ddp.py                  # 200 steps each, ~2 × 75 s on a quiet 2-core CPU
     .venv/bin/python bench/ddp.py --tiny --noisy   # a 1-layer model, 12 steps: seconds
@@ -48,11 +49,15 @@ VOCAB = "4096"  # the demo's vocabulary
 # Both runs take the same steps on the same batches from the same initial weights, so they differ
 # only by floating-point summation order: gloo's all-reduce averages two 4-sequence gradients where
 # one process averages 8 sequences at once, and bf16 matmuls of a different batch shape round
-# differently. Those last-bit differences compound over a few hundred steps of a chaotic
-# optimisation, so the losses are not bitwise equal. 0.02 nats is 4x the 0.005 gap this pair showed
-# at step 200 in session 7's hand-run measurement (bench/RESULTS.md): room for the drift, while a
-# run that trained on other batches or from other weights would not land that close.
-LOSS_TOLERANCE = 0.02  # nats per token, on the final training loss and on the holdout loss
+# differently. Those last-bit differences compound over the steps of a chaotic optimisation, so the
+# losses are not bitwise equal, and a single step's loss is a poor check: in the 50-step run of
+# session 8 the two runs' losses matched to 1e-3 for 20 steps, then differed by up to 0.22 around
+# step 26 (the early fast descent amplifies them) and came back within 0.05 over the last 10 steps.
+# So the check is on averages: the holdout loss (~30k held-out tokens; gap 0.004 at step 50) within
+# 0.02, and the mean training loss of the last TRAIN_TAIL steps (gap 0.007) within 0.03. Session
+# 7's hand-run pair ended 0.005 apart at step 200. The final step's loss is printed, not checked.
+TRAIN_TAIL = 10
+LOSS_TOLERANCE = {"tail_train_loss": 0.03, "holdout_loss": 0.02}  # nats per token
 TINY_SET = ["model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.n_kv_head=1"]
 TINY_STEPS, TINY_WARMUP = 12, 2
 
@@ -94,9 +99,22 @@ def steady_tokens_per_s(step_seconds: list[float], tokens_per_step: int, warmup:
     return tokens_per_step * len(steady) / total
 
 
+def tail_mean(losses: list[float], tail: int) -> float:
+    """Mean of the last `tail` losses (all of them when there are fewer)."""
+    if not losses:
+        raise ValueError("no losses")
+    last = losses[-tail:]
+    return sum(last) / len(last)
+
+
 def loss_gaps(threads: dict[str, Any], procs: dict[str, Any]) -> dict[str, float]:
-    """|threads - processes| of the final training loss and of the holdout loss."""
-    return {k: abs(threads[k] - procs[k]) for k in ("final_train_loss", "holdout_loss")}
+    """|threads - processes| of the last steps' mean training loss and of the holdout loss."""
+    return {k: abs(threads[k] - procs[k]) for k in LOSS_TOLERANCE}
+
+
+def losses_agree(gaps: dict[str, float]) -> bool:
+    """Whether every loss gap is within its LOSS_TOLERANCE."""
+    return all(gaps[k] <= tol for k, tol in LOSS_TOLERANCE.items())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -180,6 +198,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any] | None:
         ),
         "step_seconds": [round(s, 4) for s in step_seconds],
         "final_train_loss": round(result.losses[-1], 4),
+        "tail_train_loss": round(tail_mean(result.losses, TRAIN_TAIL), 4),
+        "train_losses": [round(x, 4) for x in result.losses],
         **holdout(trainer.model.eval(), spec),
     }  # fmt: skip
     return out
@@ -268,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": threads, "processes": procs,
         "ratio": round(procs["tokens_per_s"] / threads["tokens_per_s"], 3),
         "loss_gaps": {k: round(v, 4) for k, v in gaps.items()},
-        "loss_tolerance": LOSS_TOLERANCE, "losses_agree": max(gaps.values()) <= LOSS_TOLERANCE,
+        "loss_tolerance": LOSS_TOLERANCE, "losses_agree": losses_agree(gaps),
         "command": "bench/ddp.py " + shlex.join(sys.argv[1:] if argv is None else argv),
     }  # fmt: skip
     entry = measured.stamp(entry)
@@ -280,30 +300,34 @@ def main(argv: list[str] | None = None) -> None:
     print(measured.line())
     if not entry["losses_agree"]:
         raise SystemExit(
-            f"bench/ddp.py: the losses disagree by more than {LOSS_TOLERANCE} nats "
-            f"({entry['loss_gaps']}): the two runs did not train the same thing (kept in {log})"
+            f"bench/ddp.py: the losses disagree: gaps {entry['loss_gaps']} against tolerances "
+            f"{LOSS_TOLERANCE} nats; the two runs did not train the same thing (kept in {log})"
         )
 
 
 def _brief(res: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in res.items() if k != "step_seconds")
+    return ", ".join(
+        f"{k} {v}" for k, v in res.items() if k not in ("step_seconds", "train_losses")
+    )
 
 
 def report(entry: dict[str, Any], threads: int, procs: int) -> None:
     """The invocation's markdown table."""
     print(f"\n{entry['steps']} steps of {entry['threads']['global_tokens']:,} tokens; tokens/s over "
           f"steps {entry['warmup_steps'] + 1}-{entry['steps']}\n")  # fmt: skip
-    print("| run | micro-batch | tokens/s | final train loss | holdout loss | holdout bpb |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| run | micro-batch | tokens/s | final train loss | train loss, last {TRAIN_TAIL} "
+          "| holdout loss | holdout bpb |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, key in ((f"1 process × {threads} threads", "threads"),
                       (f"{procs} processes × 1 thread (DDP, gloo)", "processes")):  # fmt: skip
         r = entry[key]
         print(f"| {name} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | "
-              f"{r['final_train_loss']:.4f} | {r['holdout_loss']:.4f} | {r['holdout_bpb']:.4f} |")  # fmt: skip
+              f"{r['final_train_loss']:.4f} | {r['tail_train_loss']:.4f} | {r['holdout_loss']:.4f} | {r['holdout_bpb']:.4f} |")  # fmt: skip
     gaps = entry["loss_gaps"]
     print(f"\nprocesses / threads: **{entry['ratio']:.3f}×** tokens/s; loss gaps "
-          f"{gaps['final_train_loss']:.4f} (train), {gaps['holdout_loss']:.4f} (holdout), "
-          f"tolerance {LOSS_TOLERANCE}: {'agree' if entry['losses_agree'] else 'DISAGREE'}")  # fmt: skip
+          f"{gaps['tail_train_loss']:.4f} (train, last {TRAIN_TAIL} steps), "
+          f"{gaps['holdout_loss']:.4f} (holdout), tolerances {LOSS_TOLERANCE['tail_train_loss']} and {LOSS_TOLERANCE['holdout_loss']}: "
+          f"{'agree' if entry['losses_agree'] else 'DISAGREE'}")  # fmt: skip
 
 
 if __name__ == "__main__":

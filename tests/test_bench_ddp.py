@@ -48,13 +48,20 @@ def test_tokens_per_second_leaves_out_the_warmup_steps(ddp) -> None:
         ddp.steady_tokens_per_s([1.0, 0.0], 2048, warmup=1)
 
 
-def test_loss_gaps_and_the_tolerance(ddp) -> None:
-    a = {"final_train_loss": 3.8485, "holdout_loss": 3.70}
-    b = {"final_train_loss": 3.8437, "holdout_loss": 3.75}
+def test_loss_gaps_and_the_tolerances(ddp) -> None:
+    assert ddp.tail_mean([9.0, 4.0, 2.0], 2) == pytest.approx(3.0)
+    assert ddp.tail_mean([4.0], 10) == pytest.approx(4.0)  # fewer steps than the tail
+    with pytest.raises(ValueError):
+        ddp.tail_mean([], 10)
+    a = {"tail_train_loss": 3.8485, "holdout_loss": 3.70, "final_train_loss": 3.0}
+    b = {"tail_train_loss": 3.8437, "holdout_loss": 3.75, "final_train_loss": 3.2}
     gaps = ddp.loss_gaps(a, b)
-    assert gaps["final_train_loss"] == pytest.approx(0.0048)
+    assert set(gaps) == {"tail_train_loss", "holdout_loss"}  # the last step alone is not checked
+    assert gaps["tail_train_loss"] == pytest.approx(0.0048)
     assert gaps["holdout_loss"] == pytest.approx(0.05)
-    assert gaps["final_train_loss"] <= ddp.LOSS_TOLERANCE < gaps["holdout_loss"]
+    assert not ddp.losses_agree(gaps)  # the holdout gap is over its 0.02
+    assert ddp.losses_agree({"tail_train_loss": 0.0066, "holdout_loss": 0.0039})  # step 50's
+    assert not ddp.losses_agree({"tail_train_loss": 0.04, "holdout_loss": 0.0})
 
 
 def test_arguments_defaults_tiny_and_refusals(ddp, capsys) -> None:
