@@ -17,6 +17,9 @@ and thread-pool start-up, gloo's first buckets). The table gives both runs' toke
 training loss, mean training loss of the last 10 steps and holdout loss (nats per token on the
 held-out stories, and their bits per byte),
 and the ratio processes / threads; the two runs' losses must agree within LOSS_TOLERANCE.
+Only a quiet machine gives the ratio: under load the 2-thread run loses far more than the two
+1-thread processes (each parallel region waits for the slower of its two threads, and one of them
+shares its core with the other jobs), so a --noisy ratio overstates the processes' lead.
 
     .venv/bin/python bench/ddp.py                  # 200 steps each, ~2 × 75 s on a quiet 2-core CPU
     .venv/bin/python bench/ddp.py --tiny --noisy   # a 1-layer model, 12 steps: seconds
