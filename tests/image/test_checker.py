@@ -79,12 +79,14 @@ def test_frechet_distance_is_zero_on_itself_and_the_mean_shift_squared() -> None
     assert frechet_distance(a, b) == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.parametrize("head", ["spatial", "flat"])
 @pytest.mark.parametrize("size", [32, 64])
-def test_the_checker_reads_either_size(size: int) -> None:
-    checker = Checker(CheckerConfig(image_size=size, channels=8, features=16))
+def test_the_checker_reads_either_size(size: int, head: str) -> None:
+    checker = Checker(CheckerConfig(image_size=size, channels=8, features=16, head=head))
     out = checker(torch.zeros(2, 3, size, size))
     assert out["present"].shape == (2, 29) and out["colour"].shape == (2, 29, 11)
     assert out["centre"].shape == (2, 29, 2) and out["features"].shape == (2, 16)
+    assert torch.equal(checker.features(torch.zeros(2, 3, size, size)), out["features"])
 
 
 def test_the_checker_learns_its_training_renders() -> None:
