@@ -136,6 +136,7 @@ def load_checker(run: str | Path) -> Checker:
     model_cfg = fmt.read_state(path).get("config", {}).get("model", {})
     if "centre_weight" not in model_cfg:
         raise KilnError(f"{run}: {path} is not a checker checkpoint")
-    checker = Checker(CheckerConfig(**model_cfg))
+    # Checkpoints from before model.head existed hold the flat head.
+    checker = Checker(CheckerConfig(**{"head": "flat", **model_cfg}))
     checker.load_state_dict(fmt.read_tensors(path / "model.safetensors"))
     return checker.eval()
