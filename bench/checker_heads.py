@@ -8,6 +8,9 @@ Make the data first:
 
     kiln image data --out /tmp/ck --train 4000 --val 0 --heldout 2000 --seed 1
     kiln image data --out /tmp/ev --train 10 --val 0 --heldout 500 --seed 0
+
+Its loop mirrors `kiln image train-checker` (kiln/train/checker.py) without a run folder, so both
+heads train from one seed with no checkpoints in the way.
 """
 
 from __future__ import annotations
@@ -15,18 +18,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._load import add_noisy_flag, begin
 from kiln.image.checker import Checker, CheckerConfig, checker_loss, predict, score, targets
 from kiln.image.dataset import ImageDataset
 from kiln.image.vqvae import to_unit
 from kiln.train.checker import _flip_records
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Train one head for STEPS steps and print its held-out scores along the way."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("head", choices=["spatial", "flat"])
@@ -35,7 +43,10 @@ def main() -> None:
     parser.add_argument("--eval-data", default="/tmp/ev")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch", type=int, default=64)
-    args = parser.parse_args()
+    add_noisy_flag(parser)
+    args = parser.parse_args(argv)
+    # The scores are at equal steps (load cannot change them); the CPU seconds per step can.
+    print(begin("bench/checker_heads.py", args.noisy).line())
     torch.set_num_threads(1)
     data, held = ImageDataset.open(args.train_data), ImageDataset.open(args.eval_data)
     records = data.records("train") + data.records("heldout")

@@ -149,6 +149,7 @@ SCRIPTS = {
     "data_planted": [],
     "data_scale": ["--tmp", "T"],
     "data_synth": ["T/o"],
+    "checker_heads": ["spatial", "1", "--train-data", "T/ck", "--eval-data", "T/ev"],
     "ddp": ["--tiny", "--cache", "T/c", "--log", "T/log.jsonl"],
     "distill": ["T/o"],
     "distill_cpu": ["T/o", "--teacher", "T/t"],
