@@ -23,10 +23,18 @@ ISAs and MKL_CBWR=COMPATIBLE (docs/engine.md). Cost: decode at batch 1 does 16 r
 work for one token (0.40x the fast path, measured quiet on the demo-size model); at batch 32
 0.68x (bench/RESULTS.md, "Quiet re-measurement"). A 1-row tile (`invariant_rows=1`: one GEMV
 per row, as invariant) cuts a batch-1 step by about a third and slows batch 32 (docs/engine.md).
+
+A fixed tile shape is not always enough: on an Intel AVX-512/AMX CPU, MKL's AVX2 sgemm with 2
+threads gives rows 6, 7, 14 and 15 of a (16, 192) x (192, 64) tile other bits than the other
+rows (each thread's 8 rows run as a 6-row kernel plus a 2-row edge). So each (shape, dtype,
+layout, threads) is probed once, on first use: one row at every position of a tile. Where its
+bits move with the position, that weight falls back to 1-row tiles (GEMVs: no position to
+depend on); `fallbacks()` lists those.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +77,7 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows: in
     lead, K = x.shape[:-1], x.size(-1)
     flat = x.reshape(-1, K)  # (N, K)
     n = flat.size(0)
+    rows = _safe_rows(rows, "linear", weight, bias is not None, x.dtype)
     out = _per_tile(_tiles(flat, rows), rows, lambda tile: F.linear(tile, weight, bias))
     return out[:n].view(*lead, out.size(-1))  # (..., N_out)
 
@@ -77,8 +86,54 @@ def tiled_matmul(a: Tensor, b: Tensor, rows: int = ROWS) -> Tensor:
     """a (..., K) @ b (K, N) computed one (rows, K) tile of a's rows at a time."""
     lead = a.shape[:-1]
     flat = a.reshape(-1, a.size(-1))
+    rows = _safe_rows(rows, "matmul", b, False, a.dtype)
     out = _per_tile(_tiles(flat, rows), rows, lambda tile: tile @ b)
     return out[: flat.size(0)].view(*lead, b.size(-1))
+
+
+def fallbacks() -> list[tuple[str, tuple[int, ...], str, int, int]]:
+    """The (op, weight shape, dtype, threads, rows) this process probed and runs as 1-row tiles."""
+    return sorted(_FALLBACKS)
+
+
+_FALLBACKS: set[tuple[str, tuple[int, ...], str, int, int]] = set()  # a record of probe results
+
+
+def _safe_rows(rows: int, op: str, w: Tensor, bias: bool, dtype: torch.dtype) -> int:
+    """rows, or 1 where this BLAS gives a row bits that depend on its place in the tile."""
+    if rows == 1:
+        return 1
+    threads = torch.get_num_threads()
+    key = (op, tuple(w.shape), w.is_contiguous(), bias, dtype, w.dtype, rows, threads)
+    if _position_free(*key):
+        return rows
+    _FALLBACKS.add((op, tuple(w.shape), str(dtype), threads, rows))
+    return 1
+
+
+@functools.cache
+def _position_free(
+    op: str, shape: tuple[int, ...], contiguous: bool, bias: bool, dtype: torch.dtype,
+    w_dtype: torch.dtype, rows: int, threads: int,
+) -> bool:  # fmt: skip
+    """Whether one row gets the same bits at every position of a (rows, K) tile (probed once:
+    the kernel, not the values, decides; the key is all a CPU BLAS chooses its kernel by)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape[::-1] if not contiguous else shape, generator=g).to(w_dtype)
+    w = w if contiguous else w.t()  # the same layout as the real weight
+    b = torch.randn(shape[0], generator=g).to(w_dtype) if bias else None
+    K = shape[1] if op == "linear" else shape[0]
+    row = torch.randn(K, generator=g).to(dtype)
+    first = None
+    for pos in range(rows):
+        tile = torch.randn(rows, K, generator=g).to(dtype)
+        tile[pos] = row
+        got = (F.linear(tile, w, b) if op == "linear" else tile @ w)[pos]
+        if first is None:
+            first = got
+        elif not torch.equal(got, first):
+            return False
+    return True
 
 
 class TiledMatmuls(TorchFunctionMode):

@@ -11,7 +11,7 @@ from torch import nn
 from kiln.serve.engine.invariant import TiledMatmuls, pad_rows, tiled_linear, tiled_matmul
 from tests.fixtures import thread_counts
 
-SHAPES = [(256, 768), (256, 4096), (704, 256), (64, 384)]  # demo and test model (K, N)
+SHAPES = [(256, 768), (256, 4096), (704, 256), (64, 384), (192, 64)]  # demo and test model (K, N)
 
 
 def crowds(x: torch.Tensor, row: int):
