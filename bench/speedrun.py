@@ -20,6 +20,11 @@ and tokenization are timed separately (and cached under --cache).
   LayerNorm, GELU, tied head, GPT-2's BPE, fp32, AdamW lr 1e-3 with 100 warmup steps and cosine
   to 1e-4, betas (0.9, 0.95), weight decay 0.1, batch 16 x 256, grad clip 1).
 
+--subset K trains on every K-th training story only (the tokenizer stays the full data's): at the
+same compute that is K times the epochs, a cheap proxy for what a K times longer run does to a
+data-bound recipe (round 7 in docs/speedrun.md). It also shrinks the data against the model, so it
+exaggerates over-fitting: compare recipes within one subset, never across.
+
 --clock cpu counts the budget in the process's CPU seconds instead of wall seconds: on a machine
 other jobs load, a 1-thread run then gets the training a quiet core would give it in that time
 (used for screening; records use the wall clock). Every run appends one JSON line to --log.
@@ -90,19 +95,40 @@ def split_stories(cache: Path) -> tuple[Path, Path]:
     return train, holdout
 
 
-def prepare(cache: Path, tokenizer: str) -> dict[str, Any]:
-    """Tokenizer (`gpt2` or a kiln BPE vocabulary size) and shards of the training stories."""
+def subset_stories(cache: Path, every: int) -> Path:
+    """Every `every`-th story of train.txt (the first of each group), written once."""
+    from kiln.data.documents import iter_documents
+
+    train, _ = split_stories(cache)
+    out = cache / "split" / f"train-every{every}.txt"
+    if not out.is_file():
+        stories = [s for i, s in enumerate(iter_documents(str(train), EOT)) if i % every == 0]
+        with atomic_write(out) as handle:
+            handle.write("".join(f"{story}\n{EOT}\n" for story in stories))
+    return out
+
+
+def prepare(cache: Path, tokenizer: str, subset: int = 1) -> dict[str, Any]:
+    """Tokenizer (`gpt2` or a kiln BPE vocabulary size) and shards of the training stories.
+
+    With subset K > 1 the shards hold every K-th training story, tokenized by the full data's
+    tokenizer: K times the epochs at the same compute, a cheap proxy for a K times longer run.
+    """
     from kiln.data.tokenize_shards import TokenizeConfig, tokenize_to_shards
     from kiln.tokenizer import Tokenizer, train_bpe
 
     train, _ = split_stories(cache)
-    root = cache / f"tok-{tokenizer}"
+    root = cache / (f"tok-{tokenizer}" if subset == 1 else f"tok-{tokenizer}-every{subset}")
     info_path = root / "prepared.json"
     if info_path.is_file():
         return json.loads(info_path.read_text())
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if tokenizer == "gpt2":
+    if subset > 1:
+        full = prepare(cache, tokenizer)
+        tok = Tokenizer.load(Path(full["dir"]) / "tokenizer.json")
+        train = subset_stories(cache, subset)
+    elif tokenizer == "gpt2":
         tok = Tokenizer.from_gpt2(GPT2_DIR / "vocab.json", GPT2_DIR / "merges.txt")
     else:
         tok = train_bpe([train], int(tokenizer), [EOT], workers=2)
@@ -118,7 +144,7 @@ def prepare(cache: Path, tokenizer: str) -> dict[str, Any]:
     info = {
         "tokenizer": tokenizer, "vocab_size": tok.n_vocab,
         "tokenizer_s": round(tokenizer_s, 2), "tokenize_s": round(time.perf_counter() - t0, 2),
-        "train_tokens": manifest.splits["train"].tokens, "dir": str(root),
+        "train_tokens": manifest.splits["train"].tokens, "dir": str(root), "subset": subset,
     }  # fmt: skip
     info_path.write_text(json.dumps(info) + "\n")
     return info
@@ -245,6 +271,8 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true", help="one recipe at a time")
     parser.add_argument("--valid", action="store_true", help="score valid.txt.gz (records)")
     parser.add_argument("--label", default="", help="what this invocation is, for the log")
+    parser.add_argument("--subset", type=int, default=1, metavar="K",
+                        help="train on every K-th story only: K x the epochs (a proxy for K x the budget)")  # fmt: skip
     parser.add_argument("--cache", default=str(DEFAULT_CACHE))
     parser.add_argument("--log", default=str(DEFAULT_LOG))
     parser.add_argument("--table", action="store_true", help="print the log as markdown")
@@ -262,11 +290,13 @@ def main() -> None:
     if args.score:
         print(json.dumps(measured.stamp(score_model(args.score))))
         return
+    if args.subset < 1:
+        raise SystemExit(f"--subset must be a whole number >= 1, got {args.subset}")
     cache = Path(args.cache)
     specs = plan_specs(args)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     for i, spec in enumerate(specs):
-        spec["prep"] = prepare(cache, spec["tokenizer"])
+        spec["prep"] = prepare(cache, spec["tokenizer"], args.subset)
         spec.update(budget=args.budget, clock=args.clock, valid=args.valid, cache=str(cache))
         spec["run_dir"] = str(cache / "runs" / f"{stamp}-{i}")
         print(f"{spec['name']}: data {spec['prep']}", flush=True)
@@ -285,7 +315,7 @@ def main() -> None:
             "tokenizer": spec["tokenizer"], "threads": spec["threads"], "budget": args.budget,
             "clock": args.clock, "side_by_side": len(specs) if not args.sequential else 1,
             "tokenizer_s": spec["prep"]["tokenizer_s"], "tokenize_s": spec["prep"]["tokenize_s"],
-            "train_tokens_available": spec["prep"]["train_tokens"],
+            "train_tokens_available": spec["prep"]["train_tokens"], "subset": args.subset,
             "loadavg_start": [round(x, 1) for x in load0],
             "loadavg_end": [round(x, 1) for x in load1], **res,
             "command": "bench/speedrun.py " + shlex.join(sys.argv[1:]),

@@ -320,7 +320,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         "run the whole path on the embedded TinyStories corpus",
         "examples:\n  kiln demo --out runs/demo\n  kiln demo --minutes 2   # a quick look\n"
-        "  kiln demo --minutes 60  # the 1-hour recipe (a wider model, µP-transferred lr)\n"
+        "  kiln demo --minutes 60  # the 1-hour recipe (a wider model, µP lr, at most 5 epochs)\n"
         "  kiln demo --steps 20    # exactly 20 steps\n"
         "  kiln demo --chat        # on to a chat model: SFT, GRPO, success tables (30 min)\n"
         "  kiln demo --image       # scenes -> VQ-VAE -> DiT, scored by a checker (15 min)",

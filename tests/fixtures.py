@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 EOT = "<|endoftext|>"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_script(name: str, alias: str) -> ModuleType:
+    """bench/<name>.py loaded as module `alias` (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(alias, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def require_shared(path: Path) -> Path:

@@ -1,22 +1,16 @@
 """bench/ddp.py's pure logic: the per-rank micro-batch, steady-state tokens/s, the loss check and
 its command line. No training runs here (the script itself runs torchrun for minutes)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.fixtures import bench_script
 
 
 @pytest.fixture(scope="module")
 def ddp():
-    spec = importlib.util.spec_from_file_location("bench_ddp_test", BENCH / "ddp.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("ddp", "bench_ddp_test")
 
 
 def test_demo_batch_splits_into_four_sequences_per_rank(ddp) -> None:

@@ -77,6 +77,12 @@ def test_noisy_flag_keeps_the_record_and_marks_it(cpuinfo: Path) -> None:
     assert line.startswith("**noisy**") and "4.00" in line
 
 
+def test_noisy_flag_on_a_quiet_start_keeps_a_quiet_record() -> None:
+    m = begin("bench/x.py", noisy=True, getloadavg=fixed((1.2, 1.3, 1.7)))
+    assert m.noisy is False
+    assert not m.line().startswith("**noisy**")
+
+
 def test_quiet_record_carries_load_time_cpu_and_threads(cpuinfo: Path) -> None:
     m = begin(
         "bench/x.py",

@@ -22,7 +22,8 @@ PLAN_EXAMPLES = """examples:
   kiln scaling plan --params 1e9 --law epoch --gpu a100 --n 64
   kiln scaling plan --tokens 2e11 --law 20x --family gpt2 --seq-len 1024
   kiln scaling plan --hours 1 --gpu h200 --n 1 --law fit/fit.json --unique-tokens 1.44e6
-  kiln scaling plan --hours 1 --rate 3e11 --law fit/fit.json --vocab-size 4096 --seq-len 256"""
+  kiln scaling plan --hours 1 --rate 3e11 --law fit/fit.json --vocab-size 4096 --seq-len 256
+  kiln scaling plan --hours 1 --rate 3e11 --unique-tokens 1.44e6 --max-epochs 5 --seq-len 256"""
 
 SWEEP_EXAMPLES = """examples:
   kiln scaling sweep --base configs/tiny.toml --set data.dataset=data/tiny \\
@@ -88,6 +89,12 @@ def register(sub: Any) -> None:
         metavar="U",
         help="distinct tokens in the data: epochs, repeated data's effective tokens "
         "(Muennighoff et al. 2023), and with a fitted law N chosen for them",
+    )
+    p.add_argument(
+        "--max-epochs",
+        type=float,
+        metavar="E",
+        help="at most E passes over --unique-tokens; the compute left goes to the model's size",
     )
     p.add_argument("--gpu", default="h100", help="accelerator (h100, h100-pcie, h200, b200, "
                    "a100, l40s, v100, ...)")  # fmt: skip
@@ -302,7 +309,7 @@ def run_plan(args: argparse.Namespace) -> int:
     hardware = dict(
         gpu=accelerator(args.gpu), n_gpus=args.n, mfu=args.mfu, precision=args.precision,
         family=args.family, vocab_size=args.vocab_size, seq_len=args.seq_len, rate=args.rate,
-        unique_tokens=args.unique_tokens,
+        unique_tokens=args.unique_tokens, max_epochs=args.max_epochs,
     )  # fmt: skip
     law = get_law(args.law)
     if args.hours is not None:

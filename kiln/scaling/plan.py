@@ -170,12 +170,16 @@ def make_plan(
     micro_batch: int = 1,
     rate: float | None = None,
     unique_tokens: float | None = None,
+    max_epochs: float | None = None,
 ) -> Plan:
     """Plan from exactly one of flops, params or tokens.
 
     `rate` (training FLOP/s measured on the machine) times the plan instead of the GPU's peak
     × MFU. `unique_tokens` bounds the data: with a fitted law, N is then chosen to minimise the
     loss at the repeated data's effective tokens (data_constrained_optimal), not L(N, D).
+    `max_epochs` caps the tokens at that many passes over `unique_tokens`; the compute the cap
+    leaves goes to the model's size (N = C / 6D), since past a few epochs the data over-fits
+    before it teaches (docs/speedrun.md, round 7).
     """
     given = [v is not None for v in (flops, params, tokens)]
     if sum(given) != 1:
@@ -188,6 +192,11 @@ def make_plan(
         raise KilnError(f"--rate must be a positive FLOP/s, got {rate}")
     if unique_tokens is not None and not (unique_tokens > 0 and math.isfinite(unique_tokens)):
         raise KilnError(f"--unique-tokens must be a positive count, got {unique_tokens}")
+    if max_epochs is not None:
+        if unique_tokens is None:
+            raise KilnError("--max-epochs needs --unique-tokens (the data it counts passes over)")
+        if not (max_epochs > 0 and math.isfinite(max_epochs)):
+            raise KilnError(f"--max-epochs must be a positive number, got {max_epochs}")
     if params is not None:
         flops = law.flops_for_params(params)
     elif tokens is not None:
@@ -196,6 +205,17 @@ def make_plan(
     n_opt, d_opt = law.optimal(flops)
     if unique_tokens is not None and isinstance(law, ScalingLaw) and d_opt > unique_tokens:
         n_opt, d_opt = data_constrained_optimal(law, flops, unique_tokens)
+    cap = None if max_epochs is None or unique_tokens is None else max_epochs * unique_tokens
+    if cap is not None and d_opt > cap:
+        if tokens is not None:
+            raise KilnError(
+                f"--tokens {tokens:.3g} is more than --max-epochs {max_epochs:g} of "
+                f"--unique-tokens {unique_tokens:.3g} ({cap:.3g} tokens)"
+            )
+        # A given size keeps its N and trains fewer tokens; a given compute buys a larger N.
+        d_opt = cap
+        n_opt = params if params is not None else flops / (6 * d_opt)
+        flops = 6 * n_opt * d_opt
     shape = find_shape(n_opt, family, vocab_size, seq_len)
     train_flops = shape.config.flops_per_token(seq_len) * d_opt
     seconds = train_flops / (rate if rate is not None else gpu.peak(precision) * n_gpus * mfu)

@@ -63,6 +63,28 @@ def test_plan_for_time_fills_the_hours_at_a_measured_rate() -> None:
     assert gpu_plan.train_flops == pytest.approx(3600 * H200.peak("bf16") * 0.4, rel=2e-3)
 
 
+def test_max_epochs_caps_the_tokens_and_spends_the_rest_on_size() -> None:
+    unique = 1.44e6
+    kw = dict(gpu=H200, rate=3e11, vocab_size=4096, seq_len=256, unique_tokens=unique)
+    free = plan_for_time(EPOCH, 3600.0, **kw)
+    capped = plan_for_time(EPOCH, 3600.0, max_epochs=5, **kw)
+    assert free.epochs > 5  # the hour would read the data more often than the cap allows
+    assert capped.epochs == pytest.approx(5, rel=0.05)
+    assert capped.seconds == pytest.approx(3600.0, rel=2e-3)  # the hour is still filled ...
+    assert capped.params > 1.5 * free.params  # ... by a larger model
+    loose = make_plan(EPOCH, flops=1e15, gpu=H200, unique_tokens=1e12, max_epochs=5)
+    assert loose.tokens == make_plan(EPOCH, flops=1e15, gpu=H200, unique_tokens=1e12).tokens
+    sized = make_plan(EPOCH, params=1e8, gpu=H200, unique_tokens=unique, max_epochs=5)
+    assert sized.params == pytest.approx(1e8) and sized.tokens == pytest.approx(5 * unique)
+    assert sized.flops == pytest.approx(6 * 1e8 * 5 * unique)
+    with pytest.raises(KilnError, match=r"--tokens 1e\+07 is more than --max-epochs 5"):
+        make_plan(EPOCH, tokens=1e7, gpu=H200, unique_tokens=unique, max_epochs=5)
+    with pytest.raises(KilnError, match="--max-epochs needs --unique-tokens"):
+        make_plan(EPOCH, flops=1e15, gpu=H200, max_epochs=5)
+    with pytest.raises(KilnError, match="--max-epochs must be a positive number, got 0"):
+        make_plan(EPOCH, flops=1e15, gpu=H200, unique_tokens=unique, max_epochs=0)
+
+
 def fit_json(tmp_path, parametric: object) -> str:
     path = tmp_path / "fit.json"
     path.write_text(json.dumps({"isoflop": [], "parametric": parametric}))
