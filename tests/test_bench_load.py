@@ -5,7 +5,6 @@ before measuring anything.
 """
 
 import argparse
-import importlib.util
 import inspect
 import json
 import sys
@@ -16,8 +15,7 @@ import torch
 
 from bench import _load
 from bench._load import MAX_START_LOAD, add_noisy_flag, begin, cpu_info
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.fixtures import BENCH, bench_script
 
 CPUINFO = """processor\t: 0
 model name\t: Test CPU 9000
@@ -135,11 +133,7 @@ def test_speedrun_log_table_marks_old_entries_taken_under_load(tmp_path: Path, c
 
 def _script(name: str):
     """bench/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_load_test_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_script(name, f"bench_load_test_{name}")
 
 
 # Arguments that get each script past its own argument checks, with every folder it could write
