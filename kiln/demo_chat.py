@@ -41,11 +41,14 @@ STATE_FILE = "stages.json"
 # evaluations of 20 prompts per task, DPO's pairs): what the stage budgets must leave of --minutes.
 UNTIMED_MINUTES = 4.0
 TOTAL_MINUTES = 30.0  # --minutes with --chat: the whole chain, not only pre-training
+# Every task a train story fits (7 tasks): ~39,000 conversations instead of ~6,800, so the SFT
+# budget reads new conversations instead of four epochs of the same ones (bench/RESULTS.md).
+TASKS_PER_STORY = 7
 # The settings a resumed run must share with the run it continues (everything that shapes it).
 RESUME_KEYS = (
     "vocab_size", "pretrain_minutes", "sft_minutes", "align_minutes", "pretrain_steps",
     "sft_steps", "align_steps", "align", "eval_limit", "eval_max_tokens", "eval_bpb", "set",
-    "sft_set", "align_set",
+    "sft_set", "align_set", "tasks_per_story",
 )  # fmt: skip
 
 Runner = Callable[[Sequence[str]], None]
@@ -113,7 +116,7 @@ def check_plan(args: argparse.Namespace) -> None:
     """Refuse, in one line and before anything is trained, a plan that cannot run."""
     if args.vocab_size < 300:
         raise KilnError(f"--vocab-size {args.vocab_size} is too small for the chat demo (>= 300)")
-    for flag in ("eval_limit", "eval_max_tokens"):
+    for flag in ("eval_limit", "eval_max_tokens", "tasks_per_story"):
         if getattr(args, flag) < 1:
             raise KilnError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not (math.isfinite(args.minutes) and args.minutes > 0):
@@ -178,7 +181,8 @@ def _pretrain(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) 
 
 
 def _chat_data(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> None:
-    run(["data", "chat", str(out / "chat"), "--force"])
+    run(["data", "chat", str(out / "chat"), "--tasks-per-story", str(args.tasks_per_story),
+         "--force"])  # fmt: skip
 
 
 def _sft(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> None:
@@ -321,6 +325,8 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sft-steps", type=int, help="exactly N steps instead of minutes")
     group.add_argument("--align-steps", type=int, help="exactly N steps instead of minutes")
     group.add_argument("--align", default="grpo", choices=ALIGN_METHODS, help="default grpo")
+    group.add_argument("--tasks-per-story", type=int, default=TASKS_PER_STORY, metavar="K",
+                       help=f"SFT examples per train story, of K tasks (default {TASKS_PER_STORY})")  # fmt: skip
     group.add_argument("--eval-limit", type=int, default=20, help="held-out prompts per task")
     group.add_argument("--eval-max-tokens", type=int, default=256, help="reply cap (256)")
     group.add_argument("--eval-bpb", metavar="FILE", help="bpb text (default TinyStories valid)")

@@ -1,7 +1,10 @@
 """`kiln data chat OUT`: instruction conversations made from TinyStories, offline and seeded.
 
 Each story becomes one example of one task (`kiln.posttrain.tasks`): of the tasks the story
-fits, the one its split has least of so far, so the tasks stay balanced. Stories are shuffled
+fits, the one its split has least of so far, so the tasks stay balanced. With `tasks_per_story`
+K > 1 a train story gives up to K examples, of K different tasks chosen the same way (the
+embedded corpus has ~7,000 stories: one task each leaves ~1,000 conversations per task); the
+held-out split keeps one per story, so its prompts stay independent. Stories are shuffled
 with the seed; the first `heldout` go to the held-out split (for `kiln eval --chat-tasks`), the
 rest (at most `max_stories`) to train, so the splits never share a story. Exact duplicate
 stories and stories holding special-token text are dropped and counted.
@@ -46,6 +49,7 @@ class ChatDataConfig:
     heldout: int = 250  # stories in the held-out split
     max_stories: int | None = None  # stories in the train split (default: all the rest)
     tasks: tuple[str, ...] = tuple(TASKS)
+    tasks_per_story: int = 1  # train examples per story, of different tasks (held-out: always 1)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -53,6 +57,8 @@ class ChatDataConfig:
             raise KilnError(f"tasks {unknown or '(none)'}: expected some of {', '.join(TASKS)}")
         if self.heldout < 1:
             raise KilnError(f"heldout must be >= 1 story, got {self.heldout}")
+        if self.tasks_per_story < 1:
+            raise KilnError(f"tasks_per_story must be >= 1, got {self.tasks_per_story}")
         if self.max_stories is not None and self.max_stories < 1:
             raise KilnError(f"max_stories must be >= 1, got {self.max_stories}")
 
@@ -113,20 +119,24 @@ def _assign(
     tasks: tuple[str, ...],
     rng: random.Random,
     common: frozenset[str],
+    per_story: int = 1,
 ) -> tuple[list[Example], int]:
-    """One example per story in `order`, the least-made fitting task first; (examples, unfit)."""
+    """Up to `per_story` examples per story in `order`, of different tasks, the least-made
+    fitting task first; (examples, stories that fit no task)."""
     made: Counter[str] = Counter()
     out, unfit = [], 0
     for index in order:
         ranked = sorted(tasks, key=lambda t: (made[t], tasks.index(t)))
+        taken = 0
         for task in ranked:
             example = make_example(task, stories[index], index, rng, common)
             if example is not None:
                 out.append(example)
                 made[task] += 1
-                break
-        else:
-            unfit += 1
+                taken += 1
+                if taken == per_story:
+                    break
+        unfit += taken == 0
     return out, unfit
 
 
@@ -147,7 +157,8 @@ def build(config: ChatDataConfig) -> Built:
     splits = {}
     for name, indices in (("heldout", held), ("train", rest)):
         rng = random.Random(f"{config.seed}:{name}")
-        splits[name], unfit = _assign(stories, indices, config.tasks, rng, common)
+        per_story = config.tasks_per_story if name == "train" else 1
+        splits[name], unfit = _assign(stories, indices, config.tasks, rng, common, per_story)
         dropped[f"{name}_fits_no_task"] = unfit
     return Built({s: splits[s] for s in SPLITS}, records, dict(sorted(dropped.items())))
 

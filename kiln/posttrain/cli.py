@@ -108,6 +108,13 @@ def _add_data_chat_command(commands: Any) -> None:
     p.add_argument("--heldout", type=int, default=250, help="held-out stories (default 250)")
     p.add_argument("--max-stories", type=int, help="train stories (default: all the rest)")
     p.add_argument(
+        "--tasks-per-story",
+        type=int,
+        default=1,
+        metavar="K",
+        help="train examples per story, of K different tasks (default 1; held-out: always 1)",
+    )
+    p.add_argument(
         "--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})"
     )
     p.add_argument("--force", action="store_true", help="replace an OUT this command wrote")
@@ -122,6 +129,7 @@ def run_data_chat(args: argparse.Namespace) -> int:
         seed=args.seed,
         heldout=args.heldout,
         max_stories=args.max_stories,
+        tasks_per_story=args.tasks_per_story,
         tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
         **({"sources": tuple(args.source)} if args.source else {}),
     )

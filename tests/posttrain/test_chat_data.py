@@ -91,6 +91,7 @@ def test_refuses_to_clobber_and_force_replaces_only_its_own_output(
         (["--tasks", "poem"], "expected some of"),
         (["--heldout", "0"], "heldout must be >= 1"),
         (["--heldout", "500"], "need more than the 500 held out"),
+        (["--tasks-per-story", "0"], "tasks_per_story must be >= 1"),
     ],
 )
 def test_bad_options_are_one_line(
@@ -120,3 +121,22 @@ def test_max_stories_and_task_subset(stories: Path) -> None:
     )
     assert len(built.splits["train"]) == 6
     assert {e.task for e in built.splits["train"]} == {"words", "sentences"}
+
+
+def test_tasks_per_story_gives_train_stories_several_tasks_and_keeps_heldout_at_one(
+    stories: Path,
+) -> None:
+    one = build(ChatDataConfig(sources=(str(stories),), heldout=5))
+    many = build(ChatDataConfig(sources=(str(stories),), heldout=5, tasks_per_story=3))
+    assert [e.to_json() for e in many.splits["heldout"]] == [
+        e.to_json() for e in one.splits["heldout"]
+    ]  # the held-out prompts do not depend on how the train split is made
+    per_story: dict[int, list[str]] = {}
+    for e in many.splits["train"]:
+        per_story.setdefault(e.story, []).append(e.task)
+    assert set(per_story) == {e.story for e in one.splits["train"]}
+    assert all(len(t) == len(set(t)) <= 3 for t in per_story.values())  # different tasks
+    assert max(len(t) for t in per_story.values()) == 3
+    assert len(many.splits["train"]) > 2 * len(one.splits["train"])
+    for e in many.splits["train"]:  # every example is still its task's own reference
+        assert check(e.to_json(), e.target) or e.task == "continue"
