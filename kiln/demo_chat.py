@@ -31,6 +31,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.io import asset
+from kiln.posttrain.tasks import TASKS
 
 TRAINED = ("pretrain", "sft", "align")  # the stages with a time budget, each followed by an eval
 STAGES = ("tokenizer", "chat-data", *(f"{k}{e}" for k in TRAINED for e in ("", "-eval")))
@@ -41,9 +42,9 @@ STATE_FILE = "stages.json"
 # evaluations of 20 prompts per task, DPO's pairs): what the stage budgets must leave of --minutes.
 UNTIMED_MINUTES = 4.0
 TOTAL_MINUTES = 30.0  # --minutes with --chat: the whole chain, not only pre-training
-# Every task a train story fits (7 tasks): ~39,000 conversations instead of ~6,800, so the SFT
+# Every task a train story fits: ~39,000 conversations instead of ~6,800 (7 tasks), so the SFT
 # budget reads new conversations instead of four epochs of the same ones (bench/RESULTS.md).
-TASKS_PER_STORY = 7
+TASKS_PER_STORY = len(TASKS)
 # The settings a resumed run must share with the run it continues (everything that shapes it).
 RESUME_KEYS = (
     "vocab_size", "pretrain_minutes", "sft_minutes", "align_minutes", "pretrain_steps",

@@ -10,6 +10,7 @@ import pytest
 from kiln.cli import build_parser, main
 from kiln.demo_chat import STAGES, kiln_command, run_chat_demo
 from kiln.errors import KilnError
+from kiln.posttrain.tasks import TASKS
 
 TINY = [
     "--vocab-size", "400", "--pretrain-steps", "2", "--sft-steps", "2", "--align-steps", "1",
@@ -53,6 +54,8 @@ def test_chat_demo_end_to_end_then_resume_after_a_kill(tmp_path, bpb_text, capsy
     assert state["stages"]["sft"]["seconds"] > 0  # the killed stage's time is kept for the table
     killed_seconds = state["stages"]["sft"]["seconds"]
     assert state["stages"]["pretrain"]["status"] == "done"
+    chat_config = json.loads((out / "chat" / "manifest.json").read_text())["config"]
+    assert chat_config["tasks_per_story"] == len(TASKS)  # the SFT data: every task a story fits
     assert [a[0] for a in ran] == ["tokenizer", "data", "data", "train", "eval", "sft"]
 
     ran.clear()
