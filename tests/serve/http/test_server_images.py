@@ -29,11 +29,11 @@ TIMEOUT = 60.0
 
 
 class GatedModel:
-    """The image model, but each denoising step waits for `gate` (so a test can hold a picture
-    mid-way) and counts itself in `steps_run`."""
+    """The image model, but each denoising step after the first `free_steps` waits for `gate` (so
+    a test can hold a picture mid-way) and counts itself in `steps_run`."""
 
     def __init__(self, model: Any) -> None:
-        self.inner, self.gate, self.steps_run = model, threading.Event(), 0
+        self.inner, self.gate, self.steps_run, self.free_steps = model, threading.Event(), 0, 0
         self.gate.set()
 
     def __getattr__(self, name: str) -> Any:
@@ -42,7 +42,8 @@ class GatedModel:
     def sample(self, prompts: list[str], seed: int, steps: Any = None, on_step: Any = None,
                guidance: Any = None) -> torch.Tensor:  # fmt: skip
         def step(i: int, pictures: torch.Tensor) -> None:
-            assert self.gate.wait(TIMEOUT)
+            if self.steps_run >= self.free_steps:
+                assert self.gate.wait(TIMEOUT)
             self.steps_run += 1
             if on_step is not None:
                 on_step(i, pictures)
@@ -221,24 +222,28 @@ def test_the_key_is_required_and_a_full_queue_is_a_429_while_text_is_still_serve
 def test_a_client_that_leaves_mid_stream_stops_the_drawing(
     base_model: Path, model: GatedModel
 ) -> None:
-    with serve_model(base_model, image_model=model) as server:
-        model.steps_run = 0
-        model.gate.clear()
-        body = {"model": "pictures", "prompt": CAPTION, "stream": True, "partial_images": 3,
-                "steps": 4}  # fmt: skip
-        with httpx.stream("POST", server.api + "/images/generations", json=body,
-                          timeout=TIMEOUT) as r:  # fmt: skip
-            lines = r.iter_lines()
+    # Only the first step runs before the client leaves: opening the gate and closing it again
+    # would race the picture thread, which on a fast host drew all four steps in between.
+    model.steps_run, model.free_steps = 0, 1
+    model.gate.clear()
+    try:
+        with serve_model(base_model, image_model=model) as server:
+            body = {"model": "pictures", "prompt": CAPTION, "stream": True, "partial_images": 3,
+                    "steps": 4}  # fmt: skip
+            with httpx.stream("POST", server.api + "/images/generations", json=body,
+                              timeout=TIMEOUT) as r:  # fmt: skip
+                assert next(r.iter_lines()) == "event: image_generation.partial_image"
+                assert model.steps_run == 1  # the second step is held while the client goes away
+            images = server.images
+            wait_until(lambda: server.service.state.inflight == 0, 30, "the request to end")
             model.gate.set()
-            assert next(lines) == "event: image_generation.partial_image"
-            model.gate.clear()  # hold the next step while the client goes away
-        images = server.images
-        wait_until(lambda: server.service.state.inflight == 0, 30, "the request to end")
+            wait_until(lambda: images.queued == 0, 30, "the picture thread to stop")
+            assert model.steps_run < 4  # it stopped early: the last steps were never drawn
+            metrics = httpx.get(server.url + "/metrics").text
+            assert 'kiln_image_requests_total{outcome="disconnected"} 1' in metrics
+    finally:
+        model.free_steps = 0
         model.gate.set()
-        wait_until(lambda: images.queued == 0, 30, "the picture thread to stop")
-        assert model.steps_run < 4  # it stopped early: the last steps were never drawn
-        metrics = httpx.get(server.url + "/metrics").text
-        assert 'kiln_image_requests_total{outcome="disconnected"} 1' in metrics
 
 
 def test_metrics_count_image_requests_pictures_and_refusals(server: RunningServer) -> None:
