@@ -8,8 +8,9 @@ chain can be repeated by hand) into one run folder:
 2. `pretrain`: `kiln train` of the demo model on its time budget;
 3. `chat-data`: `kiln data chat`, the conversations and held-out prompts of the checkable tasks;
 4. `sft`: `kiln sft` of the pre-trained model on the conversations, on its time budget;
-5. `align`: GRPO (the best method in bench/posttrain.py's table; PPO or DPO by `--align`), on
-   its time budget;
+5. `align`: GRPO, PPO or DPO by `--align`, on its time budget; by default none, because on a
+   2-core CPU five more minutes of SFT beat five minutes of GRPO after it (bench/RESULTS.md,
+   "Session 11");
 6. after the pre-training, SFT and alignment stages, `kiln eval --chat-tasks` on the held-out
    prompts: the success table before and after each stage, in `report/`.
 
@@ -45,11 +46,14 @@ TOTAL_MINUTES = 30.0  # --minutes with --chat: the whole chain, not only pre-tra
 # Every task a train story fits: ~39,000 conversations instead of ~6,800 (7 tasks), so the SFT
 # budget reads new conversations instead of four epochs of the same ones (bench/RESULTS.md).
 TASKS_PER_STORY = len(TASKS)
+# Every held-out prompt of the default build (35-36 per task, ~250): 20 per task gave intervals of
+# +-8.6 points over all tasks, too wide to tell a stage's gain from the seed's noise.
+EVAL_LIMIT = 36
 # The settings a resumed run must share with the run it continues (everything that shapes it).
 RESUME_KEYS = (
     "vocab_size", "pretrain_minutes", "sft_minutes", "align_minutes", "pretrain_steps",
     "sft_steps", "align_steps", "align", "eval_limit", "eval_max_tokens", "eval_bpb", "set",
-    "sft_set", "align_set", "tasks_per_story",
+    "sft_set", "align_set", "tasks_per_story", "seed",
 )  # fmt: skip
 
 Runner = Callable[[Sequence[str]], None]
@@ -172,7 +176,12 @@ def _pretrain_overrides(out: Path, args: argparse.Namespace) -> list[str]:
         else [f"train.time_budget={args.pretrain_minutes * 60:g}"]
     )
     return [f"data.dataset={out / 'data'}", f"logging.run_dir={out / 'pretrain'}", *length,
-            *args.set]  # fmt: skip
+            *_seeds(args, "train", "data"), *args.set]  # fmt: skip
+
+
+def _seeds(args: argparse.Namespace, *sections: str) -> list[str]:
+    """--seed as each section's seed override (before the user's --set, which wins)."""
+    return [f"{section}.seed={args.seed}" for section in sections] if args.seed else []
 
 
 def _pretrain(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> None:
@@ -195,7 +204,7 @@ def _sft(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> No
     settings = [
         f"sft.base={out / 'pretrain'}", f"data.train={out / 'chat' / 'train.jsonl'}",
         f"data.val={out / 'chat' / 'heldout.jsonl'}", f"logging.run_dir={out / 'sft'}",
-        *length, *args.sft_set,
+        *length, *_seeds(args, "train", "data"), *args.sft_set,
     ]  # fmt: skip
     resume = _resume_flag(out / "sft", resuming)
     run(["sft", str(asset("demo_chat_sft.toml")), *[x for s in settings for x in ("--set", s)],
@@ -213,12 +222,14 @@ def _align(out: Path, args: argparse.Namespace, run: Runner, resuming: bool) -> 
     settings = [f"policy.base={out / 'sft'}", f"run_dir={out / 'align'}", *length]
     if kind == "dpo":
         run(["posttrain", "preferences", str(out / "sft"), str(out / "chat"), str(out / "prefs"),
-             "--max-prompts", "200", "--max-new-tokens", "128", "--force", "--no-progress"])  # fmt: skip
+             "--max-prompts", "200", "--max-new-tokens", "128", "--seed", str(args.seed),
+             "--force", "--no-progress"])  # fmt: skip
         settings.append(f"data.pairs={out / 'prefs' / 'pairs.jsonl'}")
     else:
         settings += [f"data.chat={out / 'chat'}", f"rl.algorithm={args.align}"]
         if args.align == "ppo":
             settings.append("rl.group_size=1")
+    settings += _seeds(args, "data", "dpo") if kind == "dpo" else _seeds(args, "rl")
     settings += args.align_set
     resume = _resume_flag(out / "align", resuming) or ["--force"]
     run([kind, str(asset(f"demo_chat_{kind}.toml")), *[x for s in settings for x in ("--set", s)],
@@ -320,15 +331,22 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("kiln demo --chat (pre-training -> SFT -> alignment)")
     group.add_argument("--chat", action="store_true", help="go on to a chat model (see below)")
     group.add_argument("--pretrain-minutes", type=float, default=15.0, help="default 15")
-    group.add_argument("--sft-minutes", type=float, default=6.0, help="default 6")
-    group.add_argument("--align-minutes", type=float, default=5.0, help="default 5")
+    group.add_argument("--sft-minutes", type=float, default=11.0, help="default 11")
+    group.add_argument("--align-minutes", type=float, default=5.0,
+                       help="default 5 (with --align METHOD; lower --sft-minutes to make room)")  # fmt: skip
     group.add_argument("--pretrain-steps", type=int, help="exactly N steps instead of minutes")
     group.add_argument("--sft-steps", type=int, help="exactly N steps instead of minutes")
     group.add_argument("--align-steps", type=int, help="exactly N steps instead of minutes")
-    group.add_argument("--align", default="grpo", choices=ALIGN_METHODS, help="default grpo")
+    group.add_argument("--align", default="none", choices=ALIGN_METHODS,
+                       help="after SFT (default none: SFT's extra minutes beat GRPO's, "
+                       "bench/RESULTS.md)")  # fmt: skip
     group.add_argument("--tasks-per-story", type=int, default=TASKS_PER_STORY, metavar="K",
                        help=f"SFT examples per train story, of K tasks (default {TASKS_PER_STORY})")  # fmt: skip
-    group.add_argument("--eval-limit", type=int, default=20, help="held-out prompts per task")
+    group.add_argument("--seed", type=int, default=0,
+                       help="the seed of pre-training, SFT and alignment (default 0); the "
+                       "held-out prompts are the same whatever it is")  # fmt: skip
+    group.add_argument("--eval-limit", type=int, default=EVAL_LIMIT,
+                       help=f"held-out prompts per task (default {EVAL_LIMIT}: all of them)")  # fmt: skip
     group.add_argument("--eval-max-tokens", type=int, default=256, help="reply cap (256)")
     group.add_argument("--eval-bpb", metavar="FILE", help="bpb text (default TinyStories valid)")
     group.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE",

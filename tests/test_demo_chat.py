@@ -13,7 +13,8 @@ from kiln.errors import KilnError
 from kiln.posttrain.tasks import TASKS
 
 TINY = [
-    "--vocab-size", "400", "--pretrain-steps", "2", "--sft-steps", "2", "--align-steps", "1",
+    "--vocab-size", "400", "--pretrain-steps", "2", "--sft-steps", "2", "--align", "grpo",
+    "--align-steps", "1",
     "--eval-limit", "1", "--eval-max-tokens", "4",
     "--set", "model.n_layer=1", "--set", "model.n_embd=64", "--set", "model.n_head=2",
     "--set", "model.n_kv_head=1", "--set", "batch.global_tokens=1024",
@@ -84,11 +85,14 @@ def test_chat_demo_end_to_end_then_resume_after_a_kill(tmp_path, bpb_text, capsy
 def test_budgets_that_cannot_fit_are_refused_before_anything_runs(tmp_path, capsys) -> None:
     out = tmp_path / "chat"
     rc = main(["demo", "--chat", "--out", str(out), "--minutes", "20", "--pretrain-minutes", "15",
-               "--sft-minutes", "5"])  # fmt: skip
+               "--sft-minutes", "5", "--align", "grpo"])  # fmt: skip
     assert rc == 2
     err = capsys.readouterr().err
     assert "stage budgets (pretrain 15 + sft 5 + align 5 min)" in err and "--minutes 20" in err
     assert not out.exists()
+    # The default plan fits; a method after SFT needs room made for it.
+    assert main(["demo", "--chat", "--out", str(out), "--align", "grpo"]) == 2
+    assert "pretrain 15 + sft 11 + align 5 min" in capsys.readouterr().err and not out.exists()
 
 
 def test_a_model_later_stages_cannot_run_is_refused_first(tmp_path, capsys) -> None:
@@ -141,3 +145,30 @@ def test_a_killed_training_stage_resumes_from_its_checkpoint_or_starts_clean(tmp
         (step / name).unlink()
     assert _resume_flag(run, resuming=True) == []
     assert not run.exists()  # the demo's own half-made folder is cleared for a fresh start
+
+
+@pytest.mark.parametrize("align", ["grpo", "dpo"])
+def test_seed_reaches_every_trained_stage_and_a_set_still_wins(tmp_path, bpb_text, align) -> None:
+    from kiln import demo_chat
+
+    args = _args(tmp_path / "run", bpb_text, "--seed", "3", "--align", align,
+                 "--sft-set", "train.seed=5")  # fmt: skip
+    ran: list[list[str]] = []
+    for stage in ("pretrain", "chat-data", "sft", "align"):
+        demo_chat.STAGE_FUNCTIONS[stage](tmp_path / "run", args, ran.append, False)
+    pretrain, chat, sft, *align_runs = ran
+    assert {"train.seed=3", "data.seed=3"} <= set(pretrain)
+    assert not any(
+        a == "--seed" or ".seed=" in a for a in chat
+    )  # the held-out prompts do not move with --seed
+    assert {"train.seed=3", "data.seed=3"} <= set(sft)
+    assert sft.index("train.seed=5") > sft.index("train.seed=3")  # the later override wins
+    if align == "dpo":
+        prefs, dpo = align_runs
+        assert prefs[prefs.index("--seed") + 1] == "3" and {"dpo.seed=3", "data.seed=3"} <= set(dpo)
+    else:
+        assert "rl.seed=3" in align_runs[0]
+    plain: list[list[str]] = []
+    demo_chat.STAGE_FUNCTIONS["pretrain"](tmp_path / "run", _args(tmp_path, bpb_text), plain.append,
+                                          False)  # fmt: skip
+    assert not any(".seed=" in a for a in plain[0])  # seed 0: the configs' own seeds

@@ -8,7 +8,9 @@ batching; each reply may use the context its prompt leaves, up to max_tokens), a
 95% Wilson interval (sound at 0 or n successes and for small n), and the mean graded score.
 A prompt that leaves the model fewer than MIN_REPLY_TOKENS of context for its reply is not
 scored and is counted as skipped. `stopped` counts the replies that ended with the chat format's
-`<|end|>` (or end-of-text) before their token cap: a chat model that has learned to stop.
+`<|end|>` (or end-of-text) before their token cap: a chat model that has learned to stop. A reply
+cut at its cap is not a success whatever its check says: an unfinished story is not what was
+asked (and a cut story passed "about K sentences" by stopping near K).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def evaluate_chat_tasks(
         for (record, _), (reply_ids, ended) in zip(batch, outputs, strict=True):
             reply = tok.decode([i for i in reply_ids if i < tok.n_vocab])
             result = results[record["task"]]
-            passed = check(record, reply)
+            passed = ended and check(record, reply)
             result.n += 1
             result.successes += passed
             result.stopped += ended

@@ -14,9 +14,9 @@ and reinforcement learning can use `score` as a reward, so both judge alike.
              start that the real second half carries on appear (it goes on about the same things)
 - sentences: "Write a story of about K sentences."  (K: the story's own count)
              check: K sentences, give or take max(1, K/5)
-- shorter:   a story, then "Now make it shorter."  (the reply: fewer sentences of that story)
-             check: at most 3/4 of the words of the story before it, and two of the target's
-             keywords (it retells that story)
+- shorter:   a short story, then "Now make it shorter."  (the reply: its first and last
+             sentences)  check: at most 3/4 of the words of the story before it, and two of the
+             target's keywords (it retells that story)
 - happier:   a short story, then "Now make it happier."  (the reply: its sad words swapped for
              happy ones, and a happy ending)  check: more happy words than the story before it,
              no sad words or fewer, and two of its keywords
@@ -276,32 +276,6 @@ def _score_sentences(params: Params, reply: str) -> float:
     return 1.0 if off <= sentence_tolerance(k) else max(0.0, 1.0 - off / k)
 
 
-def _make_shorter(story: Story) -> Made:
-    parts = sentences(story.text)
-    if len(parts) < 4:
-        return None
-    opening = _make_words(story)
-    if opening is None:
-        return None
-    keep = max(2, len(parts) // 2)
-    short = " ".join([*parts[: keep - 1], parts[-1]])
-    messages = [*opening[0], *_turns(("user", "Now make it shorter."), ("assistant", short))]
-    return messages, {"previous_words": len(words(story.text)), "keywords": story.keywords(short)}
-
-
-SHORTER_RATIO = 0.75  # "shorter": at most this fraction of the previous story's words
-
-
-def _score_shorter(params: Params, reply: str) -> float:
-    """Shorter than the story before it (in words), and still about that story."""
-    if not _is_story(reply):
-        return 0.0
-    n, before = len(words(reply)), params["previous_words"]
-    limit = SHORTER_RATIO * before
-    length = 1.0 if n <= limit else max(0.0, 1.0 - (n - limit) / before)
-    return (length + _keyword_share(params["keywords"], reply)) / 2
-
-
 # ---- refine: a short story, then a change to it (the Storyteller page's "Ask for a change") -----
 
 REFINE_SENTENCES = 4  # the first turn's story: its first sentences, short enough for a second turn
@@ -345,6 +319,36 @@ def _short_story(story: Story) -> str | None:
 def _refine(story: Story, short: str, ask: str, reply: str) -> list[dict[str, str]]:
     return _turns(("user", "Tell me a short story."), ("assistant", short), ("user", ask),
                   ("assistant", reply))  # fmt: skip
+
+
+SHORTER_RATIO = 0.75  # "shorter": at most this fraction of the previous story's words
+
+
+def _make_shorter(story: Story) -> Made:
+    """The short story's first and last sentences (its middle dropped), when that is short enough.
+
+    The first turn is a short story, as in the other refine tasks: a whole TinyStories story and
+    its retelling did not fit the 256-token context, so most held-out prompts were skipped.
+    """
+    short = _short_story(story)
+    if short is None:
+        return None
+    parts = sentences(short)
+    retold = f"{parts[0]} {parts[-1]}"
+    if len(words(retold)) > SHORTER_RATIO * len(words(short)):
+        return None
+    messages = _refine(story, short, "Now make it shorter.", retold)
+    return messages, {"previous_words": len(words(short)), "keywords": story.keywords(retold)}
+
+
+def _score_shorter(params: Params, reply: str) -> float:
+    """Shorter than the story before it (in words), and still about that story."""
+    if not _is_story(reply):
+        return 0.0
+    n, before = len(words(reply)), params["previous_words"]
+    limit = SHORTER_RATIO * before
+    length = 1.0 if n <= limit else max(0.0, 1.0 - (n - limit) / before)
+    return (length + _keyword_share(params["keywords"], reply)) / 2
 
 
 def _make_happier(story: Story) -> Made:

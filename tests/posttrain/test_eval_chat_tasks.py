@@ -74,6 +74,16 @@ def test_an_oracle_passes_an_empty_reply_fails_and_long_prompts_are_skipped(
         assert all(s["passed"] for s in r.samples)
     assert any(r.n for r in by_task.values())
 
+    # The same replies cut at their cap (not ended) are not successes, though they pass checks.
+    monkeypatch.setattr(
+        ReplyGenerator,
+        "generate_ended",
+        lambda self, prompts, s: [(oracle(self, [p], s)[0][0][:-1], False) for p in prompts],
+    )
+    cut = evaluate_chat_tasks(model, records, ReplySettings(temperature=0))
+    assert all(r.successes == 0 and r.stopped == 0 and r.n == by_task[r.task].n for r in cut)
+    assert all(r.mean_score == by_task[r.task].mean_score for r in cut)
+
     monkeypatch.setattr(
         ReplyGenerator, "generate_ended", lambda self, prompts, s: [([], True) for _ in prompts]
     )

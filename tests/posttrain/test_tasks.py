@@ -78,12 +78,17 @@ def test_shorter_is_multi_turn_and_needs_fewer_words() -> None:
     r = record("shorter")
     roles = [m["role"] for m in r["messages"]]
     assert roles == ["user", "assistant", "user", "assistant"]
+    short = " ".join(sentences(STORY)[:4])  # a short story first, as in happier and include
     assert (
-        r["messages"][1]["content"] == STORY
+        r["messages"][1]["content"] == short
         and r["messages"][2]["content"] == "Now make it shorter."
     )
-    assert not check(r, STORY)
-    assert check(r, "Lily and her dog Max played with a ball.")
+    assert (
+        r["messages"][3]["content"]
+        == 'Once upon a time, there was a little girl named Lily. "Catch it!" she said.'
+    )
+    assert not check(r, short)
+    assert check(r, "A girl named Lily played catch with her dog.")
     assert not check(r, "A robot flew to the moon and sang.")  # short, but another story
 
 

@@ -43,9 +43,16 @@ from kiln.posttrain.align.rl_losses import (
     reinforce_loss,
     whiten,
 )
-from kiln.posttrain.align.rollout import RewardFn, Rollout, policy_logprobs, sample_rollout
+from kiln.posttrain.align.rollout import (
+    RewardFn,
+    Rollout,
+    finished,
+    policy_logprobs,
+    sample_rollout,
+)
 
 ALGORITHMS = ("grpo", "ppo", "reinforce")
+UNFINISHED = ("score", "zero")
 VALUE_INITS = ("policy", "reward")
 
 
@@ -67,6 +74,7 @@ class RLConfig(LoopConfig):
     group_size: int = 4  # samples per prompt (GRPO's G; PPO may use 1)
     max_new_tokens: int = 32
     temperature: float = 1.0
+    unfinished: str = "score"  # a response cut at max_new_tokens: its reward as scored, or 0
     epochs: int = 1  # optimisation passes over each step's rollout (1: strictly on-policy)
     minibatch: int = 0  # rows per update; 0: the whole rollout in one update
     clip: float = 0.2
@@ -94,6 +102,7 @@ class RLConfig(LoopConfig):
         )
         self.require(self.baseline in BASELINES, "baseline", f"must be one of {BASELINES}")
         self.require(self.value_init in VALUE_INITS, "value_init", f"must be one of {VALUE_INITS}")
+        self.require(self.unfinished in UNFINISHED, "unfinished", f"must be one of {UNFINISHED}")
         self.require(self.adv_eps > 0, "adv_eps", "must be > 0")
         self.require(self.kl_target >= 0, "kl_target", "must be >= 0 (0: a fixed kl_coef)")
         self.require(self.kl_horizon >= 1, "kl_horizon", "must be >= 1")
@@ -192,6 +201,7 @@ class RLTrainer(PosttrainLoop):
             self.policy, self.reference, [self.prompts[i] for i in rows], rows, self.reward_fn,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
             seed=cfg.seed * 1_000_003 + self.step, eot_id=self.eot_id,
+            score_unfinished=cfg.unfinished == "score",
         )  # fmt: skip
         advantages, returns, old_values = self._advantages(rollout)
         stats: list[dict[str, float]] = []
@@ -287,6 +297,7 @@ class RLTrainer(PosttrainLoop):
             "reward_mean": float(rollout.rewards.mean()),
             "reward_std": float(rollout.rewards.std()) if len(rollout) > 1 else 0.0,
             "response_length": sum(map(len, rollout.responses)) / len(rollout),
+            "finished": sum(finished(r, self.eot_id) for r in rollout.responses) / len(rollout),
         }
         for key in stats[0]:
             values = [s[key] for s in stats if math.isfinite(s[key])]

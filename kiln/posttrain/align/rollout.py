@@ -119,21 +119,31 @@ def sample_responses(
 ) -> list[list[int]]:
     """One sampled response per prompt, on the inference engine; row i draws from seed + i.
 
-    A response that ended on the stop token keeps it, so the policy is credited for where it
-    stopped. Each row has its own generator and the batch is the same on a resumed run, so the
-    responses are a pure function of (weights, prompts, seed).
+    Each response may use up to `max_new_tokens`, or the context its prompt leaves when that is
+    less (a long prompt gets a shorter budget instead of being cut). A response that ended on the
+    stop token keeps it, so the policy is credited for where it stopped. Each row has its own
+    generator and the batch is the same on a resumed run, so the responses are a pure function of
+    (weights, prompts, seed).
     """
     stops = () if eot_id is None else (eot_id,)
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+    block = policy.cfg.block_size
+    budgets = [max(1, min(max_new_tokens, block - len(p))) for p in prompts]
+    params = [SamplingParams(max_tokens=budget, temperature=temperature, seed=seed + i,
                              stop_token_ids=stops, ignore_eos=True)
-              for i in range(len(prompts))]  # fmt: skip
+              for i, budget in enumerate(budgets)]  # fmt: skip
     sampled = engine_sample(policy, prompts, params, eot_id)
     if sampled is None:  # MLA or sinks: the fixed batch of kiln.model.generate
-        new = generate(policy, prompts, max_new_tokens, temperature=temperature, seed=seed,
+        cap = min(budgets)
+        new = generate(policy, prompts, cap, temperature=temperature, seed=seed,
                        stop_tokens=list(stops))  # fmt: skip
-        return [[*r, eot_id] if eot_id is not None and len(r) < max_new_tokens else r for r in new]
+        return [[*r, eot_id] if eot_id is not None and len(r) < cap else r for r in new]
     ended = eot_id is not None
     return [[*ids, eot_id] if ended and why == "stop" else ids for ((ids, why),) in sampled]
+
+
+def finished(response: Sequence[int], eot_id: int | None) -> bool:
+    """Whether a sampled response ended on the stop token (True when there is none to end on)."""
+    return eot_id is None or (len(response) > 0 and response[-1] == eot_id)
 
 
 @torch.no_grad()
@@ -148,8 +158,15 @@ def sample_rollout(
     temperature: float,
     seed: int,
     eot_id: int | None,
+    score_unfinished: bool = True,
 ) -> Rollout:
-    """Sample one response per prompt row, reward it, and score it under both models."""
+    """Sample one response per prompt row, reward it, and score it under both models.
+
+    With `score_unfinished` False, a response cut at its length budget (no stop token) gets
+    reward 0 instead of its reward function's: a check of a cut story rewards the part written
+    (a story "of about K sentences" cut near K, a happier story cut before its happy ending),
+    and nothing would teach the policy to finish.
+    """
     was_training = policy.training
     policy.eval()
     responses = sample_responses(policy, prompts, max_new_tokens, temperature, seed, eot_id)
@@ -159,7 +176,10 @@ def sample_rollout(
     old, _ = policy_logprobs(policy, ids, mask, temperature)
     ref, _ = policy_logprobs(reference, ids, mask, temperature)
     rewards = torch.tensor(
-        [float(reward_fn(i, r)) for i, r in zip(prompt_index, responses, strict=True)],
+        [
+            float(reward_fn(i, r)) if score_unfinished or finished(r, eot_id) else 0.0
+            for i, r in zip(prompt_index, responses, strict=True)
+        ],
         device=device,
     )
     policy.train(was_training)

@@ -250,6 +250,8 @@ def token_pairs(path: str, tokenizer: Any, block_size: int) -> list[TokenPair]:
 
 # ---- RL prompts and rewards -------------------------------------------------------------------
 
+MIN_REPLY_ROOM = 32  # tokens a prompt must leave for its reply (kiln eval --chat-tasks' rule)
+
 
 def rl_prompts(
     section: PromptsSection, loaded: LoadedModel, max_new_tokens: int
@@ -261,12 +263,15 @@ def rl_prompts(
     assert tok is not None
     records = list(iter_conversations(split_file(section.chat, "train")))
     prompts = [render(r["messages"][:-1], tok, add_generation_prompt=True).ids for r in records]
-    room = loaded.model.cfg.block_size - max_new_tokens
-    kept = [i for i, p in enumerate(prompts) if len(p) <= room]
+    # A prompt's reply may use the context it leaves (rollout.sample_responses), so only prompts
+    # that leave less than MIN_REPLY_ROOM (or max_new_tokens, when smaller) are left out.
+    need = min(max_new_tokens, MIN_REPLY_ROOM)
+    block = loaded.model.cfg.block_size
+    kept = [i for i, p in enumerate(prompts) if block - len(p) >= need]
     if len(kept) < len(prompts):
         print(f"warning: {section.chat}: {len(prompts) - len(kept)} of {len(prompts)} prompts "
-              f"leave no room for {max_new_tokens} new tokens in the model's "
-              f"{loaded.model.cfg.block_size}-token context; left out", file=sys.stderr)  # fmt: skip
+              f"leave fewer than {need} tokens for a reply in the model's {block}-token "
+              "context; left out", file=sys.stderr)  # fmt: skip
     kept = kept[: section.max_prompts] if section.max_prompts else kept
     if not kept:
         raise KilnError(f"{section.chat}: no prompt fits the model's context")
@@ -316,7 +321,7 @@ RUN_CONFIGS: dict[str, type] = {"dpo": DPORunConfig, "reward": RewardRunConfig, 
 SHOWN = {
     "dpo": ("loss", "accuracy"),
     "reward": ("loss", "accuracy"),
-    "rl": ("reward_mean", "kl", "clip_fraction"),
+    "rl": ("reward_mean", "finished", "kl", "clip_fraction"),
 }
 
 

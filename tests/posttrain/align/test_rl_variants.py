@@ -208,3 +208,38 @@ def test_ppo_with_several_epochs_per_rollout_learns_faster(tmp_path: Path) -> No
     four = trainer(tmp_path / "four", epochs=4, minibatch=4, **common).run()
     assert last3(four) > last3(one) + 0.1, (last3(one), last3(four))
     assert four[-1]["explained_variance"] > one[-1]["explained_variance"]
+
+
+@pytest.mark.parametrize("unfinished", ["score", "zero"])
+def test_a_response_cut_at_its_budget_scores_zero_when_asked(
+    tmp_path: Path, unfinished: str
+) -> None:
+    from kiln.posttrain.align.rollout import finished, sample_rollout
+
+    tr = trainer(tmp_path, unfinished=unfinished)
+    rollout = sample_rollout(
+        tr.policy, tr.reference, [tr.prompts[0]] * 64, [0] * 64, lambda i, r: 1.0,
+        max_new_tokens=2, temperature=1.0, seed=0, eot_id=tr.eot_id,
+        score_unfinished=unfinished == "score",
+    )  # fmt: skip
+    ended = [finished(r, tr.eot_id) for r in rollout.responses]
+    assert not all(ended)  # an untrained policy of 64 tokens rarely stops within 2
+    expected = [1.0 if unfinished == "score" or e else 0.0 for e in ended]
+    assert rollout.rewards.tolist() == expected
+    assert finished([5, tr.eot_id], tr.eot_id) and not finished([5], tr.eot_id)
+    assert finished([5], None)  # nothing to end on: every response is whole
+
+
+def test_a_long_prompt_gets_the_context_it_leaves(tmp_path: Path) -> None:
+    from kiln.posttrain.align.rollout import sample_responses
+
+    tr = trainer(tmp_path)
+    block = tr.policy.cfg.block_size
+    long_prompt = [20] * (block - 3)
+    out = sample_responses(tr.policy, [long_prompt, tr.prompts[0]], 6, 1.0, 0, None)
+    assert len(out[0]) == 3 and len(out[1]) == 6  # no stop token: each runs to its budget
+
+
+def test_unfinished_must_be_known() -> None:
+    with pytest.raises(ConfigError, match=r"rl\.unfinished must be one of"):
+        RLConfig(unfinished="mask")
