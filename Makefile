@@ -26,7 +26,7 @@ demo: $(STAMP)
 storyteller: $(STAMP)
 	if [ -f runs/storyteller/stages.json ]; then $(VENV)/bin/kiln demo --chat --out runs/storyteller --resume; \
 	else $(VENV)/bin/kiln demo --chat --out runs/storyteller; fi
-	$(VENV)/bin/kiln serve runs/storyteller/align
+	$(VENV)/bin/kiln serve $$(cat runs/storyteller/report/summary.json | $(PY) -c 'import json,sys; print(json.load(sys.stdin)["chat_model"])')
 
 # Scenes -> VQ-VAE -> DiT, scored by a checker on unseen compositions: `kiln demo --image` (15 min
 # on 2 cores; a second `make demo-image` resumes a killed run or reuses a finished one).
